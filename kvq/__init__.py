@@ -1,0 +1,17 @@
+"""kvq: an 8-bit paged KV cache (q8_0, fp8_e4m3) with attention that reads it directly.
+
+Public API: the ops (:func:`store_kv`, :func:`decode_attention`, :func:`extend_attention`,
+:func:`dequantize`), the formats (:class:`KVQuantSpec`), and :mod:`kvq.backends` for which backend runs.
+"""
+
+from . import backends, reference
+from ._checks import set_index_checks
+from .ops import decode_attention, dequantize, extend_attention, new_cache, store_kv
+from .spec import BLOCK, VALID_NAMES, KVQuantSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BLOCK", "KVQuantSpec", "VALID_NAMES", "backends", "decode_attention", "dequantize", "extend_attention",
+    "new_cache", "reference", "set_index_checks", "store_kv",
+]

@@ -1,0 +1,210 @@
+"""Input checks for every op, raised before any kernel runs.
+
+Two kinds: metadata checks (dtype, shape, device, head_dim) that never touch tensor contents, and index
+checks (slots, pages, lengths in range) that read tensor contents. On a GPU the latter need a host read, so
+they are skipped while a CUDA graph is being captured or a graph is traced by torch.compile, and can be
+turned off with ``kvq.set_index_checks(False)`` or ``KVQ_CHECK_INDICES=0``. Kernels guard their own memory
+accesses either way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .spec import BLOCK, FLOAT_DTYPES, QUANT_DTYPES, SCALE_DTYPE
+
+_index_checks = os.environ.get("KVQ_CHECK_INDICES", "1") not in ("0", "false", "False")
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def set_index_checks(enabled: bool) -> None:
+    """Turn the checks that read index tensors (a host sync on GPU) on or off."""
+    global _index_checks
+    _index_checks = bool(enabled)
+
+
+def index_checks_enabled(*tensors: Tensor) -> bool:
+    if not _index_checks or torch.compiler.is_compiling():
+        return False
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return not any(t.device.type == "meta" for t in tensors)
+
+
+def _fail(op: str, msg: str) -> None:
+    raise ValueError(f"kvq.{op}: {msg}")
+
+
+def _shape(t: Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _expect(op, cond, msg):
+    if not cond:
+        _fail(op, msg)
+
+
+def check_tensor(op: str, name: str, t, ndim: int, dtypes, device: Optional[torch.device] = None) -> None:
+    _expect(op, isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _expect(op, t.dim() == ndim, f"{name} must have {ndim} dims, got shape {_shape(t)}")
+    _expect(op, t.dtype in dtypes,
+            f"{name} has dtype {t.dtype}; expected {' or '.join(str(d) for d in dtypes)}")
+    if device is not None:
+        _expect(op, t.device == device,
+                f"{name} is on {t.device} but the cache is on {device}; move it with .to({str(device)!r})")
+
+
+def check_cache(op: str, k_cache, v_cache, k_scale, v_scale) -> tuple[int, int, int, int]:
+    """Validate a K/V cache pair and its scale planes; returns (num_pages, page_size, Hkv, D)."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(op, name, c, 4, QUANT_DTYPES + FLOAT_DTYPES)
+    dev = k_cache.device
+    _expect(op, v_cache.device == dev, f"v_cache is on {v_cache.device} but k_cache is on {dev}")
+    _expect(op, k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype,
+            f"k_cache {_shape(k_cache)} {k_cache.dtype} and v_cache {_shape(v_cache)} {v_cache.dtype} "
+            "must have the same shape and dtype")
+    num_pages, page_size, hkv, d = k_cache.shape
+    _expect(op, d % BLOCK == 0, f"head_dim {d} is not a multiple of {BLOCK}; kvq stores one scale per "
+            f"{BLOCK} elements, so pad head_dim or use a model with head_dim in {SUPPORTED_HEAD_DIMS}")
+    _expect(op, page_size >= 1 and hkv >= 1 and num_pages >= 1,
+            f"cache shape {_shape(k_cache)} has an empty dimension")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _expect(op, c.stride(-1) == 1 and c.stride(-2) == d and c.stride(1) == hkv * d,
+                f"{name} must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense); "
+                "allocate it with torch.empty or call .contiguous()")
+    quantized = k_cache.dtype in QUANT_DTYPES
+    want = (num_pages, page_size, hkv, d // BLOCK)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not quantized:
+            _expect(op, s is None, f"{name} must be None for an unquantized {k_cache.dtype} cache")
+            continue
+        _expect(op, s is not None, f"{name} is required for a {k_cache.dtype} cache (one fp16 scale per "
+                f"{BLOCK} elements, shape {list(want)})")
+        check_tensor(op, name, s, 4, (SCALE_DTYPE,), dev)
+        _expect(op, tuple(s.shape) == want, f"{name} has shape {_shape(s)}; for a cache of shape "
+                f"{_shape(k_cache)} it must be {list(want)}")
+        _expect(op, s.is_contiguous(), f"{name} must be contiguous; call .contiguous()")
+    return num_pages, page_size, hkv, d
+
+
+def _check_rows(op, name, t, n, hkv, d, dtypes, dev, *, allow_strided=True):
+    check_tensor(op, name, t, 3, dtypes, dev)
+    _expect(op, t.shape[1:] == (hkv, d) if n is None else tuple(t.shape) == (n, hkv, d),
+            f"{name} has shape {_shape(t)}; expected [{'num_tokens' if n is None else n}, {hkv}, {d}]")
+    _expect(op, t.stride(-1) == 1, f"{name} must have a unit stride on head_dim; call .contiguous()")
+
+
+def check_store(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    op = "store_kv"
+    num_pages, page_size, hkv, d = check_cache(op, k_cache, v_cache, k_scale, v_scale)
+    dev = k_cache.device
+    in_dtypes = FLOAT_DTYPES if k_cache.dtype in QUANT_DTYPES else (k_cache.dtype,)
+    _check_rows(op, "key", key, None, hkv, d, in_dtypes, dev)
+    _check_rows(op, "value", value, key.shape[0], hkv, d, (key.dtype,), dev)
+    check_tensor(op, "slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), dev)
+    _expect(op, slot_mapping.shape[0] == key.shape[0],
+            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    if index_checks_enabled(slot_mapping) and slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        _expect(op, lo >= -1 and hi < num_pages * page_size,
+                f"slot_mapping holds values in [{lo}, {hi}] but the cache has {num_pages * page_size} slots "
+                f"({num_pages} pages x {page_size}); valid slots are 0..{num_pages * page_size - 1}, or -1 to skip")
+
+
+def _check_table(op, block_table, lens, name, num_pages, page_size, batch, dev):
+    check_tensor(op, "block_table", block_table, 2, (torch.int32,), dev)
+    check_tensor(op, name, lens, 1, (torch.int32,), dev)
+    _expect(op, block_table.shape[0] == batch and lens.shape[0] == batch,
+            f"block_table {_shape(block_table)} and {name} {_shape(lens)} must have one row per "
+            f"sequence ({batch})")
+    _expect(op, block_table.stride(-1) == 1, "block_table must have a unit stride on its last dim")
+    if index_checks_enabled(block_table, lens) and batch:
+        max_len = block_table.shape[1] * page_size
+        lo, hi = int(lens.min()), int(lens.max())
+        _expect(op, lo >= 0 and hi <= max_len,
+                f"{name} holds values in [{lo}, {hi}] but block_table has {block_table.shape[1]} pages of "
+                f"{page_size} tokens per sequence (at most {max_len}); grow block_table or fix {name}")
+        used = (torch.arange(block_table.shape[1], device=dev)[None, :] * page_size) < lens[:, None].long()
+        if bool(used.any()):
+            pages = block_table[used]
+            plo, phi = int(pages.min()), int(pages.max())
+            _expect(op, plo >= 0 and phi < num_pages,
+                    f"block_table holds page {plo if plo < 0 else phi} within {name}, but the cache has "
+                    f"{num_pages} pages (valid 0..{num_pages - 1})")
+
+
+def _check_query_out(op, query, out, hkv, d, dev):
+    check_tensor(op, "query", query, 3, FLOAT_DTYPES, dev)
+    hq = query.shape[1]
+    _expect(op, query.shape[-1] == d, f"query head_dim {query.shape[-1]} differs from the cache's {d}")
+    _expect(op, query.stride(-1) == 1, "query must have a unit stride on head_dim; call .contiguous()")
+    _expect(op, hq % hkv == 0, f"query has {hq} heads, not a multiple of the cache's {hkv} kv heads (GQA "
+            "needs num_q_heads % num_kv_heads == 0)")
+    check_tensor(op, "out", out, 3, (query.dtype,), dev)
+    _expect(op, out.shape == query.shape, f"out has shape {_shape(out)}; it must match query {_shape(query)}")
+    _expect(op, out.stride(-1) == 1, "out must have a unit stride on head_dim")
+
+
+def check_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale,
+                 window_left, logit_softcap, out) -> None:
+    op = "decode_attention"
+    num_pages, page_size, hkv, d = check_cache(op, k_cache, v_cache, k_scale, v_scale)
+    dev = k_cache.device
+    _check_query_out(op, query, out, hkv, d, dev)
+    _check_scalars(op, k_cache, query, sm_scale, window_left, logit_softcap)
+    _check_table(op, block_table, seq_lens, "seq_lens", num_pages, page_size, query.shape[0], dev)
+
+
+def check_extend(query, key, value, k_cache, v_cache, k_scale, v_scale, block_table, prefix_lens,
+                 cu_seqlens_q, sm_scale, causal, window_left, logit_softcap, out) -> None:
+    op = "extend_attention"
+    num_pages, page_size, hkv, d = check_cache(op, k_cache, v_cache, k_scale, v_scale)
+    dev = k_cache.device
+    _check_query_out(op, query, out, hkv, d, dev)
+    _check_scalars(op, k_cache, query, sm_scale, window_left, logit_softcap)
+    n = query.shape[0]
+    _check_rows(op, "key", key, n, hkv, d, (query.dtype,), dev)
+    _check_rows(op, "value", value, n, hkv, d, (query.dtype,), dev)
+    batch = prefix_lens.shape[0] if isinstance(prefix_lens, Tensor) and prefix_lens.dim() == 1 else -1
+    check_tensor(op, "cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
+    _expect(op, cu_seqlens_q.shape[0] == batch + 1,
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must have batch + 1 = {batch + 1}")
+    _check_table(op, block_table, prefix_lens, "prefix_lens", num_pages, page_size, batch, dev)
+    if index_checks_enabled(cu_seqlens_q):
+        cu = cu_seqlens_q.cpu()
+        _expect(op, int(cu[0]) == 0 and int(cu[-1]) == n and bool((cu[1:] >= cu[:-1]).all()),
+                f"cu_seqlens_q must start at 0, never decrease and end at the number of query tokens ({n}); "
+                f"got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}")
+
+
+def _check_scalars(op, cache, query, sm_scale, window_left, logit_softcap):
+    _expect(op, sm_scale > 0, f"sm_scale must be positive, got {sm_scale}")
+    _expect(op, window_left >= -1, f"window_left must be -1 (no window) or >= 0, got {window_left}")
+    _expect(op, logit_softcap >= 0, f"logit_softcap must be 0 (none) or positive, got {logit_softcap}")
+    if cache.dtype in FLOAT_DTYPES:
+        _expect(op, query.dtype == cache.dtype, f"query is {query.dtype} but the unquantized cache is "
+                f"{cache.dtype}; they must match")
+
+
+def check_dequantize(cache, scale, slot_mapping, dtype) -> None:
+    op = "dequantize"
+    check_tensor(op, "cache", cache, 4, QUANT_DTYPES + FLOAT_DTYPES)
+    num_pages, page_size, hkv, d = cache.shape
+    _expect(op, d % BLOCK == 0, f"head_dim {d} is not a multiple of {BLOCK}")
+    if cache.dtype in QUANT_DTYPES:
+        _expect(op, scale is not None, f"scale is required for a {cache.dtype} cache")
+        check_tensor(op, "scale", scale, 4, (SCALE_DTYPE,), cache.device)
+        _expect(op, tuple(scale.shape) == (num_pages, page_size, hkv, d // BLOCK),
+                f"scale has shape {_shape(scale)}; expected {[num_pages, page_size, hkv, d // BLOCK]}")
+    else:
+        _expect(op, scale is None, f"scale must be None for an unquantized {cache.dtype} cache")
+    _expect(op, dtype in FLOAT_DTYPES, f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    check_tensor(op, "slot_mapping", slot_mapping, 1, (torch.int64, torch.int32), cache.device)
+    if index_checks_enabled(slot_mapping) and slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        _expect(op, lo >= -1 and hi < num_pages * page_size,
+                f"slot_mapping holds values in [{lo}, {hi}]; valid slots are 0..{num_pages * page_size - 1} or -1")

@@ -1,0 +1,135 @@
+"""Which backend serves CUDA tensors, and why the others do not.
+
+``cuda`` (the compiled ``kvq._C``) is preferred, then ``triton``, then ``reference`` (plain PyTorch).
+``KVQ_BACKEND=cuda|triton|reference`` forces one; forcing one that cannot run is an error at the first op
+call (and in ``python -m kvq info``), never a silent fallback. CPU tensors always use the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+NAMES = ("cuda", "triton", "reference")
+
+
+@dataclass
+class Selection:
+    active: Optional[str]  # None when the forced backend cannot run
+    forced: Optional[str]
+    reasons: dict = field(default_factory=dict)  # backend -> why it is not usable (absent when usable)
+    error: Optional[str] = None
+
+
+def _gpu_arch() -> Optional[tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+@functools.lru_cache(maxsize=None)
+def extension() -> tuple[Optional[object], Optional[str]]:
+    """Import ``kvq._C`` (which registers the CUDA kernels); returns (module, None) or (None, reason)."""
+    if importlib.util.find_spec("kvq._C") is None:
+        return None, ("kvq._C is not built (no nvcc or no CUDA build of torch when kvq was installed; "
+                      "reinstall with `pip install --no-build-isolation -e .` on a machine with both)")
+    try:
+        return importlib.import_module("kvq._C"), None
+    except (ImportError, OSError) as e:
+        return None, f"kvq._C failed to load: {e}"
+
+
+def compiled_archs() -> list[str]:
+    mod, _ = extension()
+    return mod.cuda_archs().split(";") if mod is not None else []
+
+
+def _cuda_reason() -> Optional[str]:
+    if importlib.util.find_spec("kvq._C") is None:
+        return extension()[1]
+    arch = _gpu_arch()
+    if arch is None:
+        return "no CUDA GPU is visible to torch"
+    mod, reason = extension()
+    if mod is None:
+        return reason
+    have = compiled_archs()
+    mine = f"{arch[0]}.{arch[1]}"
+    if not any(a.split("+")[0] == mine for a in have):
+        return (f"kvq._C was compiled for sm {';'.join(have)} but this GPU is sm_{arch[0]}{arch[1]}; rebuild "
+                f"with TORCH_CUDA_ARCH_LIST={mine}")
+    return None
+
+
+def _triton_reason() -> Optional[str]:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    if _gpu_arch() is None:
+        return "no CUDA GPU is visible to torch"
+    if _gpu_arch() < (8, 0):
+        return f"triton kernels need sm_80 or newer, this GPU is sm_{''.join(map(str, _gpu_arch()))}"
+    return None
+
+
+def _availability() -> dict:
+    reasons = {}
+    for name, probe in (("cuda", _cuda_reason), ("triton", _triton_reason)):
+        r = probe()
+        if r is not None:
+            reasons[name] = r
+    return reasons
+
+
+def _select_from(forced: Optional[str], reasons: dict) -> Selection:
+    if forced is not None:
+        if forced not in NAMES:
+            return Selection(None, forced, reasons, f"KVQ_BACKEND={forced!r} is not a backend; use one of "
+                             f"{', '.join(NAMES)}, or unset it")
+        if forced in reasons:
+            return Selection(None, forced, reasons, f"KVQ_BACKEND={forced} was asked for but cannot run: "
+                             f"{reasons[forced]}. Unset KVQ_BACKEND to choose automatically.")
+        return Selection(forced, forced, reasons)
+    for name in NAMES:
+        if name not in reasons:
+            return Selection(name, None, reasons)
+    raise AssertionError("the reference backend is always available")
+
+
+@functools.lru_cache(maxsize=None)
+def selection() -> Selection:
+    forced = os.environ.get("KVQ_BACKEND") or None
+    return _select_from(forced.strip().lower() if forced else None, _availability())
+
+
+def available() -> list[str]:
+    """Backends that can run here (CUDA tensors); the reference is always among them."""
+    reasons = selection().reasons
+    return [n for n in NAMES if n not in reasons]
+
+
+def info() -> dict:
+    sel = selection()
+    arch = _gpu_arch()
+    out = {
+        "backend": sel.active,
+        "forced": sel.forced,
+        "error": sel.error,
+        "unavailable": dict(sel.reasons),
+        "gpu": torch.cuda.get_device_name() if arch else None,
+        "gpu_arch": f"sm_{arch[0]}{arch[1]}" if arch else None,
+        "compiled_archs": compiled_archs(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": None,
+    }
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        out["triton"] = triton.__version__
+    return out

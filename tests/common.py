@@ -1,0 +1,100 @@
+"""Shared test helpers: random paged caches, poisoned outputs, and tolerances tied to same-precision math."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kvq import reference
+from kvq.ops import new_cache
+
+FORMATS = {"bf16": None, "fp16": None, "q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cache_dtype(fmt: str, model_dtype: torch.dtype) -> torch.dtype:
+    return FORMATS[fmt] if FORMATS[fmt] is not None else model_dtype
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output with a value no kernel would write, so unwritten elements show."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-77) if t.dtype == torch.int8 else t.fill_(0x5A)
+
+
+@dataclass
+class Paged:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: Optional[torch.Tensor]
+    v_scale: Optional[torch.Tensor]
+    block_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    k_src: list  # per sequence [L, Hkv, D] in the model dtype (what was stored)
+    v_src: list
+
+
+def random_paged(seq_lens, page_size, hkv, d, cache_dt, model_dtype=torch.bfloat16, device="cpu",
+                 extra_pages=3, scale=1.0) -> Paged:
+    """Random K/V for each sequence, stored (by the reference) into shuffled pages of a fresh cache."""
+    seq_lens = list(seq_lens)
+    pages_per = [max(1, -(-n // page_size)) for n in seq_lens]
+    num_pages = sum(pages_per) + extra_pages
+    max_pages = max(pages_per) + 1
+    perm = torch.randperm(num_pages, device="cpu")
+    block_table = torch.full((len(seq_lens), max_pages), 0, dtype=torch.int32)
+    kc, ks = new_cache(num_pages, page_size, hkv, d, cache_dt, device)
+    vc, vs = new_cache(num_pages, page_size, hkv, d, cache_dt, device)
+    for t in (kc, vc, ks, vs):
+        if t is not None:
+            poison_(t)
+    ksrc, vsrc, i = [], [], 0
+    for b, n in enumerate(seq_lens):
+        pages = perm[i:i + pages_per[b]]
+        i += pages_per[b]
+        block_table[b, :pages_per[b]] = pages.int()
+        block_table[b, pages_per[b]:] = perm[-1].int()  # unused entries point at a real page
+        k = (torch.randn(n, hkv, d, device=device) * scale).to(model_dtype)
+        v = (torch.randn(n, hkv, d, device=device) * scale).to(model_dtype)
+        pos = torch.arange(n, device=device)
+        slots = (pages.to(device)[pos // page_size].long() * page_size + pos % page_size)
+        reference.store_kv(k, v, kc, vc, ks, vs, slots)
+        ksrc.append(k)
+        vsrc.append(v)
+    return Paged(kc, vc, ks, vs, block_table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                 ksrc, vsrc)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return (torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item()
+
+
+def backend_ops(name: str):
+    """The four ops of one backend, called directly (so several backends can be compared in one process).
+
+    ``reference`` and ``triton`` are Python modules; ``cuda`` is the compiled kernels behind ``torch.ops.kvq``
+    (only when ``kvq._C`` is the active CUDA backend).
+    """
+    import pytest
+
+    from kvq import backends
+
+    if name == "reference":
+        return reference
+    if name == "triton":
+        if not torch.cuda.is_available() and not INTERPRET:
+            pytest.skip("triton needs a GPU or TRITON_INTERPRET=1")
+        from kvq import triton_backend
+
+        return triton_backend
+    if name == "cuda":
+        if backends.selection().active != "cuda":
+            pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
+        return torch.ops.kvq
+    raise ValueError(name)
