@@ -8,10 +8,12 @@ from . import backends, reference
 from ._checks import set_index_checks
 from .ops import decode_attention, dequantize, extend_attention, new_cache, store_kv
 from .spec import BLOCK, VALID_NAMES, KVQuantSpec
+from .config import resolve_kv_cache_dtype
+from .pool import KVPool
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BLOCK", "KVQuantSpec", "VALID_NAMES", "backends", "decode_attention", "dequantize", "extend_attention",
-    "new_cache", "reference", "set_index_checks", "store_kv",
+    "BLOCK", "KVPool", "KVQuantSpec", "VALID_NAMES", "backends", "decode_attention", "dequantize",
+    "extend_attention", "new_cache", "reference", "resolve_kv_cache_dtype", "set_index_checks", "store_kv",
 ]
