@@ -1,0 +1,175 @@
+"""Triton paged decode attention (flash-decoding) straight from the 8-bit or unquantized cache.
+
+``out[b, h] = softmax(sm_scale * q[b, h] . K_b^T) V_b`` over the ``seq_lens[b]`` cached tokens (the query
+is the token at position ``seq_lens[b] - 1``), with an optional sliding window and logit soft-cap;
+reference: :func:`kvq.reference.decode_attention`.
+
+Two launches, both sized from shapes only (no host sync, so CUDA graphs can capture them):
+
+1. ``_decode_split``, grid ``[batch, num_kv_heads, num_splits]``: each program takes one kv head, all of
+   its query heads (the GQA group, padded to 16 rows for ``tl.dot``) and one contiguous slice of the
+   sequence; it loads each K/V tile once (int8/e4m3 bytes plus fp16 scales), dequantizes it in registers
+   to fp16 (``_common.dequant_f16``: no int->float conversion instructions, which would bound the kernel
+   below memory bandwidth), and keeps an fp32 online softmax. It writes its unnormalised partial output
+   and (max, sum).
+2. ``_decode_merge``, grid ``[batch, num_q_heads]``: combines the partials.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, dequant_f16,
+                      has_e4m3_cvt, scores, softmax_step, upcast)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_tile(c_ptr, s_ptr, page, off, h, keep, d, stride_page,
+               PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+               INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
+    """Keys/values ``[BLOCK_N, D]`` of kv head ``h``: as stored (unquantized) or dequantized to fp16 (see
+    ``dequant_f16``); ``page, off, keep: [BLOCK_N, 1]``."""
+    row = page * stride_page + off * (HKV * D) + h * D  # [BLOCK_N, 1]
+    if FMT == 0:
+        return tl.load(c_ptr + row + d, mask=keep, other=0)
+    else:
+        # One fp16 scale per 32 elements: the tile is loaded as [BLOCK_N, D // 32, 32] so each scale is loaded
+        # once and broadcast, and the codes reach the dequantization in the order they were loaded.
+        NB: tl.constexpr = D // 32
+        blk = tl.arange(0, NB)[None, :, None]
+        el = tl.arange(0, 32)[None, None, :]
+        raw = tl.load(c_ptr + row[:, :, None] + blk * 32 + el, mask=keep[:, :, None], other=0)
+        slot = page * PAGE_SIZE + off
+        s = tl.load(s_ptr + slot * (HKV * NB) + h * NB + tl.arange(0, NB)[None, :], mask=keep, other=0.0)
+        x = dequant_f16(raw, s[:, :, None], FMT, INTERP, E4M3_CVT)
+        return tl.reshape(x, (raw.shape[0], D))
+
+
+@triton.jit
+def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, vs_ptr, bt_ptr, sbt_b, len_ptr,
+                  acc_ptr, ml_ptr, num_splits, qk_scale, window_left, softcap,
+                  PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    # The tensor-core dtype: the query's for an unquantized cache, fp16 for an 8-bit one (see dequant_f16).
+    CT: tl.constexpr = q_ptr.dtype.element_ty if FMT == 0 else tl.float16
+
+    seq_len = tl.load(len_ptr + b)
+    lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
+    # Each sequence spreads its own visible range over all splits, in whole BLOCK_N tiles.
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    stop = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    rows = h * G + g  # query heads of this kv head
+    q = tl.load(q_ptr + b * sq_b + rows[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
+    if INTERP:
+        q = upcast(upcast(q, INTERP).to(CT), INTERP)  # see _common: the interpreter's bf16 tl.dot is wrong
+    else:
+        q = q.to(CT)
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        keep = n < stop
+        page = tl.load(bt_ptr + b * sbt_b + n // PAGE_SIZE, mask=keep, other=0).to(tl.int64)[:, None]
+        off = (n % PAGE_SIZE)[:, None]
+        k = _load_tile(kc_ptr, ks_ptr, page, off, h, keep[:, None], d[None, :], sk_page,
+                       PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
+        if INTERP:
+            k = upcast(k, INTERP)
+        s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N] fp32
+        s = tl.where(keep[None, :], scores(s, qk_scale, softcap, SOFTCAP), float("-inf"))
+        v = _load_tile(vc_ptr, vs_ptr, page, off, h, keep[:, None], d[None, :], sv_page,
+                       PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, CT, INTERP)
+
+    # partials: acc [B, Hq, S, D], ml [B, Hq, S, 2] (running max in log2 units, sum)
+    part = (b * (HKV * G) + rows) * num_splits + split
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=g < G)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=g < G)
+
+
+@triton.jit
+def _decode_merge(acc_ptr, ml_ptr, out_ptr, so_b, so_h, num_splits, HQ: tl.constexpr, D: tl.constexpr,
+                  SP: tl.constexpr, INTERP: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, D)
+    part = (b * HQ + h) * num_splits + sp
+    live = sp < num_splits
+    m = tl.load(ml_ptr + part * 2, mask=live, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=live, other=0.0)
+    mx = tl.max(m, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(m - mx)  # empty splits (m = -inf) weigh 0
+    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    total = tl.sum(w * l, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1.1754943508222875e-38)  # seq_len 0 -> 0
+    tl.store(out_ptr + b * so_b + h * so_h + d, cast(o, out_ptr.dtype.element_ty, INTERP))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _config(query, k_cache, max_len):
+    """(BLOCK_N, num_splits, num_warps, num_stages), from shapes only.
+
+    Splits: enough programs for several resident CTAs per SM (the work per program is uniform, so a large
+    count also makes the last wave short); the 8-bit path does more arithmetic per byte, so it wants more
+    CTAs in flight than the unquantized one (a sweep on an H200 at 128k tokens, with an earlier version of
+    the 8-bit dequantization, favoured 8 vs 4 per SM).
+    """
+    batch, _, d = query.shape
+    hkv = k_cache.shape[2]
+    if INTERPRET:
+        # Small tiles and several splits so short test sequences cross tile, page and split boundaries.
+        return 16, max(1, min(4, triton.cdiv(max_len, 16))), 4, 1
+    block_n = 64 if d <= 128 else 32
+    sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
+    per_sm = 4 if cache_format(k_cache) == FMT_PLAIN else 8
+    splits = max(1, min(round(per_sm * sms / (batch * hkv)), triton.cdiv(max_len, block_n), 256))
+    return block_n, splits, 4, 3 if d <= 128 else 2
+
+
+def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, window_left,
+                     logit_softcap, out, *, config=None) -> None:
+    """Shapes and semantics: :func:`kvq.ops.decode_attention`. ``config`` overrides :func:`_config` (tuning)."""
+    batch, hq, d = query.shape
+    check_head_dim("decode_attention", d)
+    if batch == 0:
+        return
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    max_len = block_table.shape[1] * page_size
+    block_n, splits, warps, stages = config or _config(query, k_cache, max_len)
+    fmt = cache_format(k_cache)
+    kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
+    ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
+    acc = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=query.device)
+    ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=query.device)
+    _decode_split[(batch, hkv, splits)](
+        query, query.stride(0), query.stride(1), kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs,
+        block_table, block_table.stride(0), seq_lens, acc, ml, splits, sm_scale * _LOG2E, window_left,
+        float(logit_softcap), PAGE_SIZE=page_size, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
+        BLOCK_N=block_n, FMT=fmt, SOFTCAP=logit_softcap > 0, INTERP=INTERPRET,
+        E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages)
+    _decode_merge[(batch, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
+                               SP=triton.next_power_of_2(splits), INTERP=INTERPRET)

@@ -1,0 +1,141 @@
+"""Triton extend (chunked prefill) attention: ragged new tokens over their paged prefix and their own K/V.
+
+Token ``i`` of sequence ``b`` (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sits at position
+``prefix_lens[b] + i``; it attends to the ``prefix_lens[b]`` cached tokens (dequantized in registers) and
+to the new keys (exact), causally unless ``causal=False``, with an optional window and soft-cap. Prefill is
+``prefix_lens = 0``. Reference: :func:`kvq.reference.extend_attention`.
+
+The grid comes from shapes only: ``total_tokens // BLOCK_M + batch`` row blocks per query head. Sequence
+``b`` owns row blocks ``cu[b] // BLOCK_M + b ...`` (at most ``cdiv(n_b, BLOCK_M)`` of them, which never
+reach the next sequence's first block); a program finds its sequence by binary search over ``cu_seqlens_q``
+and idles when its block is past the end of the sequence.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, has_e4m3_cvt,
+                      scores, softmax_step, upcast)
+from .decode import _LOG2E, _load_tile
+
+
+@triton.jit
+def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
+                   kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, bt_ptr, sbt_b, prefix_ptr, cu_ptr,
+                   out_ptr, so_t, so_h, batch, qk_scale, window_left, softcap,
+                   PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, CAUSAL: tl.constexpr,
+                   SOFTCAP: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // G
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    # The tensor-core dtype for the cached prefix: fp16 for an 8-bit cache (see _common.dequant_f16).
+    CT: tl.constexpr = DT if FMT == 0 else tl.float16
+
+    # The last sequence whose first row block cu[b] // BLOCK_M + b is <= pid.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(cu_ptr + mid) // BLOCK_M + mid <= pid:
+            lo = mid
+        else:
+            hi = mid
+    b = lo
+    row0 = tl.load(cu_ptr + b)
+    n_new = tl.load(cu_ptr + b + 1) - row0
+    mblk = pid - (row0 // BLOCK_M + b)
+    if mblk * BLOCK_M >= n_new:
+        return
+    prefix = tl.load(prefix_ptr + b)
+
+    m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)  # index among the new tokens
+    rmask = m < n_new
+    d = tl.arange(0, D)
+    tok = (row0 + m).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask[:, None], other=0.0)
+    if INTERP:
+        q = upcast(q, INTERP)  # see _common: the interpreter's bf16 tl.dot is wrong
+        qc = upcast(q.to(CT), INTERP)
+    else:
+        qc = q.to(CT)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    first = mblk * BLOCK_M  # the block's first row; windows are checked per row below
+
+    # 1) the cached prefix (positions 0..prefix-1 are all <= every query position)
+    p_lo = tl.where(window_left >= 0, tl.maximum(prefix + first - window_left, 0), 0)
+    for n0 in range(p_lo, prefix, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        keep = n < prefix
+        page = tl.load(bt_ptr + b * sbt_b + n // PAGE_SIZE, mask=keep, other=0).to(tl.int64)[:, None]
+        off = (n % PAGE_SIZE)[:, None]
+        k = _load_tile(kc_ptr, ks_ptr, page, off, hk, keep[:, None], d[None, :], skc_page,
+                       PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
+        if INTERP:
+            k = upcast(k, INTERP)
+        s = scores(tl.dot(qc, tl.trans(k)), qk_scale, softcap, SOFTCAP)
+        vis = keep[None, :] & ((window_left < 0) | (n[None, :] >= (prefix + m)[:, None] - window_left))
+        s = tl.where(vis, s, float("-inf"))
+        v = _load_tile(vc_ptr, vs_ptr, page, off, hk, keep[:, None], d[None, :], svc_page,
+                       PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, CT, INTERP)
+
+    # 2) the new keys, exact (positions prefix + j)
+    j_lo = tl.where(window_left >= 0, tl.maximum(first - window_left, 0), 0)
+    j_hi = n_new
+    if CAUSAL:
+        j_hi = tl.minimum(first + BLOCK_M, n_new)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        keep = j < j_hi
+        kt = (row0 + j).to(tl.int64)
+        k = tl.load(k_ptr + kt[:, None] * sk_t + hk * sk_h + d[None, :], mask=keep[:, None], other=0.0)
+        if INTERP:
+            k = upcast(k, INTERP)
+        s = scores(tl.dot(q, tl.trans(k)), qk_scale, softcap, SOFTCAP)
+        vis = keep[None, :] & ((window_left < 0) | (j[None, :] >= m[:, None] - window_left))
+        if CAUSAL:
+            vis = vis & (j[None, :] <= m[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        v = tl.load(v_ptr + kt[:, None] * sv_t + hk * sv_h + d[None, :], mask=keep[:, None], other=0.0)
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, DT, INTERP)
+
+    o = acc / tl.maximum(l_i, 1.1754943508222875e-38)[:, None]  # a row that sees no key gets 0
+    tl.store(out_ptr + tok[:, None] * so_t + h * so_h + d[None, :], cast(o, DT, INTERP), mask=rmask[:, None])
+
+
+def _config(d: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if INTERPRET:
+        return 16, 16, 4, 1  # small tiles so short test sequences span several row and key blocks
+    if d <= 128:
+        return 64, 64, 4, 2
+    return 64, 32, 8, 2
+
+
+def extend_attention(query, key, value, k_cache, v_cache, k_scale, v_scale, block_table, prefix_lens,
+                     cu_seqlens_q, sm_scale, causal, window_left, logit_softcap, out, *, config=None) -> None:
+    """Shapes and semantics: :func:`kvq.ops.extend_attention`. ``config`` overrides :func:`_config`."""
+    total, hq, d = query.shape
+    check_head_dim("extend_attention", d)
+    batch = prefix_lens.shape[0]
+    if total == 0 or batch == 0:
+        return
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    block_m, block_n, warps, stages = config or _config(d)
+    fmt = cache_format(k_cache)
+    kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
+    ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
+    grid = (total // block_m + batch, hq)
+    _extend_kernel[grid](
+        query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1), value, value.stride(0),
+        value.stride(1), kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, block_table,
+        block_table.stride(0), prefix_lens, cu_seqlens_q, out, out.stride(0), out.stride(1), batch,
+        sm_scale * _LOG2E, window_left, float(logit_softcap), PAGE_SIZE=page_size, HKV=hkv, G=hq // hkv, D=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, CAUSAL=bool(causal), SOFTCAP=logit_softcap > 0,
+        INTERP=INTERPRET, E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages)

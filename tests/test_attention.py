@@ -1,0 +1,289 @@
+"""decode_attention and extend_attention: every backend against float64 truth, with a derived tolerance.
+
+How the tolerance is derived (the flash-attention rule): the truth is the reference math done in float64
+on the *dequantized* cache (so quantization is not counted as error here; see
+``test_quantization_error_report`` for that). A same-precision PyTorch baseline does what a tensor-core
+kernel does: q and the dequantized K/V cast to the query dtype, scores and softmax in fp32, P cast to the
+query dtype before P @ V, output rounded to the query dtype. A kernel passes when its max abs error to the
+truth is at most twice the baseline's plus a small floor (for outputs whose baseline error is ~0). Outputs
+start as NaN so that any element a kernel forgets to write fails.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kvq import reference
+
+from common import FORMATS, backend_ops, cache_dtype, poison_, random_paged, rel_err
+
+BACKENDS = ["triton", "cuda"]
+FLOOR = 1e-5
+
+
+def _attend(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dtype=None):
+    """``q [n, Hq, D]`` over ``k, v [L, Hkv, D]``: float64 truth (dtype None) or the same-precision baseline."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if dtype is None:
+        q, k, v = q.double(), k.double(), v.double()
+    else:
+        q, k, v = (t.to(dtype).float() for t in (q, k, v))
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q, k) * sm_scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    vis = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    if causal:
+        vis &= k_pos[None, :] <= q_pos[:, None]
+    if window_left >= 0:
+        vis &= k_pos[None, :] >= q_pos[:, None] - window_left
+    s = s.masked_fill(~vis, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees nothing gives 0
+    if dtype is not None:
+        p = p.to(dtype).float()
+    o = torch.einsum("hnl,lhd->nhd", p, v)
+    return o if dtype is None else o.to(dtype)
+
+
+def _assert_close_to_truth(out, truth, base, what):
+    err = (out.double() - truth).abs().max().item()
+    berr = (base.double() - truth).abs().max().item()
+    assert err <= 2 * berr + FLOOR, f"{what}: max abs error {err:.3e} > 2 x baseline {berr:.3e} + {FLOOR}"
+
+
+def _query(shape, dtype, device, strided):
+    """A fresh query; ``strided`` gives a non-contiguous view (unit stride on head_dim only)."""
+    if not strided:
+        return torch.randn(shape, device=device).to(dtype)
+    n, h, d = shape
+    return torch.randn(n, h + 3, 2 * d, device=device).to(dtype)[:, 1:h + 1, :d]
+
+
+def _decode_truth(q, p, sm_scale, window_left, softcap):
+    truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
+    for b, n in enumerate(p.seq_lens.tolist()):
+        if n == 0:
+            continue
+        k = reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n)
+        v = reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n)
+        pos = torch.arange(n, device=q.device)
+        args = (q[b:b + 1], k, v, pos[-1:], pos, sm_scale, True, window_left, softcap)
+        truth[b] = _attend(*args)[0]
+        base[b] = _attend(*args, dtype=q.dtype)[0]
+    return truth, base
+
+
+def check_decode(backend, fmt, dtype, hq, hkv, d, page_size, lens, window_left=-1, softcap=0.0, strided=False,
+                 device="cpu"):
+    ops = backend_ops(backend)
+    p = random_paged(lens, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
+    q = _query((len(lens), hq, d), dtype, device, strided)
+    out = poison_(torch.empty(len(lens), hq, d, dtype=dtype, device=device))
+    sm_scale = d ** -0.5
+    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm_scale,
+                         window_left, softcap, out)
+    truth, base = _decode_truth(q, p, sm_scale, window_left, softcap)
+    _assert_close_to_truth(out, truth, base, f"decode {fmt} {dtype} lens={lens[:6]}")
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert bool((out[b] == 0).all()), "seq_len 0 must give a zero row"
+
+
+DECODE_CPU = [  # (format, dtype, Hq, Hkv, head_dim, page_size, seq_lens, window_left, softcap, strided query)
+    ("q8_0", torch.bfloat16, 4, 1, 64, 16, [1, 2, 31, 32, 33, 0], -1, 0.0, False),
+    ("fp8_e4m3", torch.float16, 8, 2, 128, 1, [17, 40], -1, 0.0, True),
+    ("bf16", torch.bfloat16, 16, 1, 64, 16, [33, 48], 20, 0.0, False),
+    ("fp16", torch.float16, 2, 2, 256, 7, [15, 29], -1, 30.0, True),
+    ("q8_0", torch.float16, 16, 1, 256, 256, [70], 5, 0.0, False),
+    ("fp8_e4m3", torch.bfloat16, 8, 1, 128, 16, [64, 65, 1], -1, 50.0, False),
+    ("q8_0", torch.bfloat16, 1, 1, 128, 1, [37], 0, 0.0, True),
+    ("fp8_e4m3", torch.bfloat16, 4, 4, 256, 16, [32, 16], 16, 20.0, False),
+]
+
+
+def _ids(case):
+    return "-".join(str(x).replace("torch.", "").replace(" ", "") for x in case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", DECODE_CPU, ids=_ids)
+def test_decode(backend, case):
+    check_decode(backend, *case)
+
+
+# GPU: every format x head_dim, with GQA ratio / page size / window / soft-cap rotating over the cases.
+_COMBOS = [(1, 1, -1, 0.0), (4, 16, -1, 0.0), (8, 256, 1000, 0.0), (16, 16, -1, 30.0), (4, 256, -1, 0.0),
+           (8, 1, 100, 20.0)]
+_GPU_LENS = [1, 2, 31, 32, 33, 255, 256, 257, 1000, 4097, 20000]
+
+
+def _gpu_decode_cases():
+    cases = []
+    for fmt in FORMATS:
+        plain = torch.float16 if fmt == "fp16" else torch.bfloat16
+        dtypes = (torch.bfloat16, torch.float16) if FORMATS[fmt] is not None else (plain,)
+        for d in (64, 128, 256):
+            for dt in dtypes:
+                cases.append((fmt, dt, d, *_COMBOS[len(cases) % len(_COMBOS)]))
+    return cases
+
+
+DECODE_GPU = _gpu_decode_cases()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", DECODE_GPU, ids=_ids)
+def test_decode_gpu(backend, case):
+    fmt, dt, d, g, page, window, cap = case
+    hkv = 2 if d == 256 else 4
+    check_decode(backend, fmt, dt, g * hkv, hkv, d, page, _GPU_LENS, window, cap, strided=g == 4, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_decode_long_gpu(backend, fmt):
+    dt = torch.float16 if fmt == "fp16" else torch.bfloat16
+    check_decode(backend, fmt, dt, 32, 8, 128, 16, [131072, 70001], device="cuda")
+
+
+def _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap):
+    truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
+    for b, n0 in enumerate(prefix):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        kn, vn = key[s:e].float(), value[s:e].float()
+        if n0:
+            k = torch.cat([reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n0), kn])
+            v = torch.cat([reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n0), vn])
+        else:
+            k, v = kn, vn
+        k_pos = torch.arange(n0 + e - s, device=q.device)
+        args = (q[s:e], k, v, k_pos[n0:], k_pos, sm_scale, causal, window_left, softcap)
+        truth[s:e] = _attend(*args)
+        base[s:e] = _attend(*args, dtype=q.dtype)
+    return truth, base
+
+
+def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal=True, window_left=-1,
+                 softcap=0.0, strided=False, device="cpu"):
+    ops = backend_ops(backend)
+    p = random_paged(prefix, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    total = cu[-1]
+    q = _query((total, hq, d), dtype, device, strided)
+    key = _query((total, hkv, d), dtype, device, strided)
+    value = _query((total, hkv, d), dtype, device, False)
+    out = poison_(torch.empty(total, hq, d, dtype=dtype, device=device))
+    sm_scale = d ** -0.5
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    ops.extend_attention(q, key, value, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
+                         cu_t, sm_scale, causal, window_left, softcap, out)
+    truth, base = _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap)
+    _assert_close_to_truth(out, truth, base, f"extend {fmt} {dtype} prefix={prefix[:6]} new={new[:6]}")
+
+
+EXTEND_CPU = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_lens, causal, window, softcap, strided)
+    ("q8_0", torch.bfloat16, 4, 1, 64, 16, [0, 33, 17, 5], [20, 1, 0, 40], True, -1, 0.0, False),
+    ("fp8_e4m3", torch.float16, 8, 2, 128, 1, [5, 40], [33, 2], True, 10, 0.0, True),
+    ("bf16", torch.bfloat16, 4, 4, 256, 7, [50], [17], False, -1, 30.0, False),
+    ("fp16", torch.float16, 2, 1, 64, 16, [0, 0], [33, 16], True, 3, 0.0, True),  # prefill
+    ("q8_0", torch.float16, 16, 1, 128, 256, [31, 0], [2, 32], False, 7, 0.0, False),
+    ("fp8_e4m3", torch.bfloat16, 8, 1, 64, 16, [32], [31], True, -1, 20.0, False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", EXTEND_CPU, ids=_ids)
+def test_extend(backend, case):
+    check_extend(backend, *case)
+
+
+EXTEND_GPU = [(fmt, d, i % 3 != 2, *_COMBOS[i % len(_COMBOS)])  # (format, head_dim, causal, combo)
+              for i, (fmt, d) in enumerate((f, d) for f in FORMATS for d in (64, 128, 256))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", EXTEND_GPU, ids=_ids)
+def test_extend_gpu(backend, case):
+    fmt, d, causal, g, page, window, cap = case
+    dt = torch.float16 if fmt == "fp16" else torch.bfloat16
+    hkv = 2
+    check_extend(backend, fmt, dt, g * hkv, hkv, d, page, [0, 1000, 4096, 37, 0], [512, 1, 300, 64, 2000],
+                 causal, window, cap, strided=g == 4, device="cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantization_error_report(backend):
+    """How far attention over the 8-bit cache is from attention over the bf16 K/V that was stored.
+
+    Unlike the parity tests this counts the quantization itself: the truth is float64 attention over
+    ``Paged.k_src``/``v_src`` (fp16, so that rounding the output adds little to what is measured). Printed
+    per format (run with ``-s``); the bounds are what q8_0 (about 8 bits per element, error ~ 1/254 of the
+    block max) and e4m3 (3 mantissa bits, error ~ 1/16 relative) allow on Gaussian data, and e4m3 must be the
+    coarser of the two.
+    """
+    ops = backend_ops(backend)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lens, hq, hkv, d = [200, 63], 8, 2, 128
+    errs = {}
+    for fmt in ("q8_0", "fp8_e4m3"):
+        torch.manual_seed(1234)  # the same K/V and query for both formats
+        p = random_paged(lens, 16, hkv, d, FORMATS[fmt], torch.float16, device=device)
+        q = torch.randn(len(lens), hq, d, device=device).to(torch.float16)
+        out = poison_(torch.empty_like(q))
+        ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, d ** -0.5,
+                             -1, 0.0, out)
+        truth = torch.stack([
+            _attend(q[b:b + 1], p.k_src[b], p.v_src[b], torch.tensor([n - 1], device=device),
+                    torch.arange(n, device=device), d ** -0.5, True, -1, 0.0)[0]
+            for b, n in enumerate(lens)])
+        errs[fmt] = rel_err(out, truth)
+        print(f"\nquantization error of decode attention, {fmt}: relative L2 {errs[fmt]:.2e}")
+    assert 0 < errs["q8_0"] < 1e-2
+    assert errs["q8_0"] < errs["fp8_e4m3"] < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_cuda_graph(backend):
+    """Captured once, replayed with new lengths and a new query: no host sync, no size read from data."""
+    ops = backend_ops(backend)
+    p = random_paged([300, 5000], 16, 2, 128, torch.int8, torch.bfloat16, device="cuda")
+    q = torch.randn(2, 8, 128, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(q)
+
+    def call():
+        ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
+                             128 ** -0.5, -1, 0.0, out)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    p.seq_lens.copy_(torch.tensor([299, 4001], dtype=torch.int32))
+    q.copy_(torch.randn_like(q))
+    poison_(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    truth, base = _decode_truth(q, p, 128 ** -0.5, -1, 0.0)
+    _assert_close_to_truth(out, truth, base, "decode replayed from a CUDA graph")
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_attention_rejects_unsupported_head_dim(backend):
+    """head_dim 96 is a valid cache (a multiple of 32) but not one the Triton attention kernels compile for."""
+    ops = backend_ops(backend)
+    p = random_paged([5], 16, 1, 96, torch.int8)
+    q = torch.randn(1, 2, 96).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, 0.1, -1,
+                             0.0, torch.empty_like(q))

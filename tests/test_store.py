@@ -1,0 +1,183 @@
+"""store_kv and dequantize: every backend writes the same bytes as the reference (values and scales).
+
+Caches start poisoned, so a slot the op must not touch (slot -1, or simply not in the mapping) still holds
+its poison afterwards; comparing the whole planes with the reference's checks that too.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kvq import reference
+from kvq.ops import new_cache
+
+from common import backend_ops, cache_dtype, poison_
+
+BACKENDS = ["triton", "cuda"]
+QUANT = {"q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def _bits(t):
+    return None if t is None else t.view(torch.uint8 if t.element_size() == 1 else torch.int16)
+
+
+def _poisoned(num_pages, page_size, hkv, d, dt, device):
+    c, s = new_cache(num_pages, page_size, hkv, d, dt, device)
+    for t in (c, s):
+        if t is not None:
+            poison_(t.view(torch.uint8) if t.element_size() == 1 else t)
+    return c, s
+
+
+def _store_both(ops, key, value, slots, num_pages, page_size, dt):
+    """Run the backend and the reference on identical poisoned caches; return both (kc, vc, ks, vs)."""
+    hkv, d = key.shape[1:]
+    outs = []
+    for impl in (ops, reference):
+        kc, ks = _poisoned(num_pages, page_size, hkv, d, dt, key.device)
+        vc, vs = _poisoned(num_pages, page_size, hkv, d, dt, key.device)
+        impl.store_kv(key, value, kc, vc, ks, vs, slots)
+        outs.append((kc, vc, ks, vs))
+    return outs
+
+
+def _assert_same_bytes(got, want):
+    for name, g, w in zip(("k_cache", "v_cache", "k_scale", "v_scale"), got, want):
+        if w is None:
+            assert g is None
+            continue
+        gb, wb = _bits(g), _bits(w)
+        bad = (gb != wb).nonzero()
+        assert bad.numel() == 0, f"{name}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}: " \
+            f"got {gb[tuple(bad[0])].item():#x}, reference {wb[tuple(bad[0])].item():#x}"
+
+
+def _slots(num_tokens, num_pages, page_size, device, skip_every=5):
+    slots = torch.randperm(num_pages * page_size)[:num_tokens]
+    slots[::skip_every] = -1
+    return slots.to(device)
+
+
+def check_store(backend, num_tokens, page_size, hkv, d, model_dtype, fmt, device="cpu", strided=False):
+    ops = backend_ops(backend)
+    dt = cache_dtype(fmt, model_dtype)
+    num_pages = -(-num_tokens // page_size) + 2
+    shape = (num_tokens, hkv, 2 * d if strided else d)
+    key = (torch.randn(shape, device=device) * 4).to(model_dtype)[..., :d]
+    value = torch.randn(shape, device=device).to(model_dtype)[..., :d]
+    slots = _slots(num_tokens, num_pages, page_size, device)
+    got, want = _store_both(ops, key, value, slots, num_pages, page_size, dt)
+    _assert_same_bytes(got, want)
+    # the poison in slots nobody wrote is still there
+    free = torch.ones(num_pages * page_size, dtype=torch.bool)
+    free[slots[slots >= 0].cpu()] = False
+    assert bool(free.any())
+    flat = got[0].flatten(0, 1)[free.to(device)]
+    if got[0].element_size() == 1:
+        assert bool((flat.view(torch.uint8) == 0x5A).all())
+    else:
+        assert bool(flat.isnan().all())
+    # dequantize gathers the same values (NaN where the reference has NaN)
+    back = ops.dequantize(got[0], got[2], slots, model_dtype)
+    ref = reference.dequantize(want[0], want[2], slots, model_dtype)
+    torch.testing.assert_close(back, ref, rtol=0, atol=0, equal_nan=True)
+    assert bool((back[slots < 0] == 0).all())
+
+
+CPU_CASES = [  # (tokens, page_size, kv heads, head_dim, model dtype, format)
+    (9, 1, 1, 64, torch.bfloat16, "q8_0"),
+    (11, 16, 2, 128, torch.float16, "q8_0"),
+    (7, 64, 8, 64, torch.bfloat16, "fp8_e4m3"),
+    (10, 16, 1, 256, torch.float16, "fp8_e4m3"),
+    (6, 1, 2, 256, torch.bfloat16, "fp8_e4m3"),
+    (5, 16, 8, 128, torch.bfloat16, "q8_0"),
+    (6, 16, 2, 96, torch.bfloat16, "q8_0"),  # a head_dim that is a multiple of 32 but not a power of two
+    (8, 16, 2, 128, torch.bfloat16, "bf16"),
+    (8, 1, 8, 64, torch.float16, "fp16"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_store_matches_reference(backend, case):
+    check_store(backend, *case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_store_strided_rows(backend):
+    """key/value may be views with a row stride larger than head_dim."""
+    check_store(backend, 7, 16, 2, 64, torch.bfloat16, "q8_0", strided=True)
+
+
+def _special_rows(model_dtype, fmt):
+    """Hand-built blocks whose rounding is decided by a tie or one ulp, plus non-finite and tiny blocks.
+
+    Each row is one 32-element block (head_dim 32 * 8 blocks per token). Returns (x [8, 1, 256], expected
+    value codes for a few (block, element) positions, as the format defines them).
+    """
+    m = 127.0 if fmt == "q8_0" else 448.0
+    x = torch.randn(8, 32, dtype=torch.float64)
+    expect = {}
+    # block 0: amax = M, so d = 1 and y = x exactly: ties and their neighbours
+    x[0, 0] = m
+    if fmt == "q8_0":
+        ties = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5]
+        codes = [1, 2, 3, -1, -2, -3, 127, -127]  # half away from zero
+    else:
+        ulp = 2.0 ** -7 if model_dtype == torch.bfloat16 else 2.0 ** -10
+        ties = [1.0625, 1.1875, 2.5 * 2 ** -9, 3.5 * 2 ** -9, 1.0625 + ulp, 1.0625 - ulp, -1.1875, -0.0]
+        codes = [0x38, 0x3A, 0x02, 0x04, 0x39, 0x38, 0xBA, 0x80]  # nearest even; sign kept, -0 -> 0x80
+    x[0, 1:1 + len(ties)] = torch.tensor(ties, dtype=torch.float64)
+    for i, c in enumerate(codes):
+        expect[(0, 1 + i)] = c & 0xFF
+    # block 1: an inf; block 2: a NaN -> canonical NaN scale, zero values
+    x[1, 3] = math.inf
+    x[2, 7] = math.nan
+    # block 3: amax so small the fp16 scale is subnormal
+    x[3] *= 3e-4
+    # block 4: (bf16 only: fp16 cannot hold it) amax so small that 1/d overflows in fp32; zeros stay 0
+    if model_dtype == torch.bfloat16:
+        x[4] *= 1e-38
+        x[4, 5:9] = 0.0
+    # block 5: -inf; block 6: all zeros (d = 0); block 7: large values near the dtype's range
+    x[5, 0] = -math.inf
+    x[6] = 0.0
+    x[7] *= 1e4 if model_dtype == torch.float16 else 1e30
+    return x.to(model_dtype).reshape(1, 1, 256).expand(3, 1, 256).contiguous(), expect
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+def test_store_ties_and_non_finite(backend, fmt, model_dtype):
+    ops = backend_ops(backend)
+    key, expect = _special_rows(model_dtype, fmt)
+    value = -key
+    slots = torch.tensor([5, -1, 2])
+    got, want = _store_both(ops, key, value, slots, 3, 4, QUANT[fmt])
+    _assert_same_bytes(got, want)
+    kc, ks = got[0], got[2]
+    codes = kc.view(torch.uint8)[1, 1, 0].view(8, 32)  # slot 5 = page 1, offset 1
+    for (blk, el), c in expect.items():
+        got_code = codes[blk, el].item()
+        assert got_code == c, f"block {blk} element {el}: code {got_code:#x}, want {c:#x}"
+    sbits = ks.view(torch.int16)[1, 1, 0]
+    assert sbits[1].item() == 0x7E00 and sbits[2].item() == 0x7E00 and sbits[5].item() == 0x7E00
+    assert bool((codes[1] == 0).all() and (codes[2] == 0).all())
+    assert 0 < ks[1, 1, 0, 3].item() < 6.1e-5  # a subnormal fp16 scale
+    assert ks[1, 1, 0, 6].item() == 0 and bool((codes[6] == 0).all())
+    if model_dtype == torch.bfloat16:
+        assert bool((codes[4, 5:9] == 0).all())
+    back = ops.dequantize(kc, ks, torch.tensor([5]), model_dtype)
+    assert bool(back[0, 0, 32:96].isnan().all()) and not bool(back[0, 0, :32].isnan().any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "plain"])
+def test_store_large_gpu(backend, fmt, model_dtype, d):
+    fmt = {"plain": "bf16" if model_dtype == torch.bfloat16 else "fp16"}.get(fmt, fmt)
+    check_store(backend, 65536 + 17, 16, 8 if d < 256 else 2, d, model_dtype, fmt, device="cuda")
