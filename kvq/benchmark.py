@@ -3,7 +3,7 @@
 Decode attention is memory bound, so every decode time is set against a floor: the bytes the
 implementation must read (K, V and, for kvq's 8-bit formats, the fp16 scales) divided by the bandwidth of a
 device-to-device ``copy_`` measured first in the same run. Peers: torch SDPA on a contiguous bf16 cache
-(cuDNN and flash backends), the naive "dequantize the whole cache with kvq.dequantize, then SDPA", and
+(cuDNN and flash backends), the naive "dequantize the whole cache with plain torch ops, then SDPA" a user writes without kvq, and
 FlashInfer (bf16, and fp8 with one scale per tensor) when ``import flashinfer`` works.
 
 Method: every measured call reads inputs that are not in L2. Each configuration is replicated ``n``
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from kvq import reference
 
 GiB = 1 << 30
 FORMATS = ("bf16", "q8_0", "fp8_e4m3")
@@ -664,8 +666,9 @@ class Bench:
         mode = "repeat" if mode.startswith("cannot") else mode  # repeat: what a user without GQA support writes
 
         def call(r):
-            k = ops.dequantize(pool.k, pool.ks, slots[r], torch.bfloat16).view(batch, ctx, hkv, d).transpose(1, 2)
-            v = ops.dequantize(pool.v, pool.vs, slots[r], torch.bfloat16).view(batch, ctx, hkv, d).transpose(1, 2)
+            # What a user writes without kvq: gather the pages and dequantize with plain torch ops.
+            k = reference.dequantize(pool.k, pool.ks, slots[r], torch.bfloat16).view(batch, ctx, hkv, d).transpose(1, 2)
+            v = reference.dequantize(pool.v, pool.vs, slots[r], torch.bfloat16).view(batch, ctx, hkv, d).transpose(1, 2)
             return sdpa(flash, qs[r], k, v, mode, hq // hkv)
 
         def run():
