@@ -9,6 +9,7 @@ accesses either way.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -70,7 +71,7 @@ def check_cache(op: str, k_cache, v_cache, k_scale, v_scale) -> tuple[int, int, 
     num_pages, page_size, hkv, d = k_cache.shape
     _expect(op, d % BLOCK == 0, f"head_dim {d} is not a multiple of {BLOCK}; kvq stores one scale per "
             f"{BLOCK} elements, so pad head_dim or use a model with head_dim in {SUPPORTED_HEAD_DIMS}")
-    _expect(op, page_size >= 1 and hkv >= 1 and num_pages >= 1,
+    _expect(op, page_size >= 1 and hkv >= 1 and num_pages >= 1 and d >= 1,
             f"cache shape {_shape(k_cache)} has an empty dimension")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _expect(op, c.stride(-1) == 1 and c.stride(-2) == d and c.stride(1) == hkv * d,
@@ -142,6 +143,7 @@ def _check_query_out(op, query, out, hkv, d, dev):
     hq = query.shape[1]
     _expect(op, query.shape[-1] == d, f"query head_dim {query.shape[-1]} differs from the cache's {d}")
     _expect(op, query.stride(-1) == 1, "query must have a unit stride on head_dim; call .contiguous()")
+    _expect(op, hq >= 1, f"query has shape {_shape(query)}: no heads")
     _expect(op, hq % hkv == 0, f"query has {hq} heads, not a multiple of the cache's {hkv} kv heads (GQA "
             "needs num_q_heads % num_kv_heads == 0)")
     check_tensor(op, "out", out, 3, (query.dtype,), dev)
@@ -169,10 +171,12 @@ def check_extend(query, key, value, k_cache, v_cache, k_scale, v_scale, block_ta
     n = query.shape[0]
     _check_rows(op, "key", key, n, hkv, d, (query.dtype,), dev)
     _check_rows(op, "value", value, n, hkv, d, (query.dtype,), dev)
-    batch = prefix_lens.shape[0] if isinstance(prefix_lens, Tensor) and prefix_lens.dim() == 1 else -1
+    check_tensor(op, "prefix_lens", prefix_lens, 1, (torch.int32,), dev)
+    batch = prefix_lens.shape[0]
     check_tensor(op, "cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
     _expect(op, cu_seqlens_q.shape[0] == batch + 1,
-            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; it must have batch + 1 = {batch + 1}")
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries and prefix_lens {batch}; cu_seqlens_q must have "
+            f"one more (batch + 1)")
     _check_table(op, block_table, prefix_lens, "prefix_lens", num_pages, page_size, batch, dev)
     if index_checks_enabled(cu_seqlens_q):
         cu = cu_seqlens_q.cpu()
@@ -182,9 +186,10 @@ def check_extend(query, key, value, k_cache, v_cache, k_scale, v_scale, block_ta
 
 
 def _check_scalars(op, cache, query, sm_scale, window_left, logit_softcap):
-    _expect(op, sm_scale > 0, f"sm_scale must be positive, got {sm_scale}")
+    _expect(op, 0 < sm_scale < math.inf, f"sm_scale must be positive and finite, got {sm_scale}")
     _expect(op, window_left >= -1, f"window_left must be -1 (no window) or >= 0, got {window_left}")
-    _expect(op, logit_softcap >= 0, f"logit_softcap must be 0 (none) or positive, got {logit_softcap}")
+    _expect(op, 0 <= logit_softcap < math.inf,
+            f"logit_softcap must be 0 (none) or positive and finite, got {logit_softcap}")
     if cache.dtype in FLOAT_DTYPES:
         _expect(op, query.dtype == cache.dtype, f"query is {query.dtype} but the unquantized cache is "
                 f"{cache.dtype}; they must match")
@@ -195,11 +200,16 @@ def check_dequantize(cache, scale, slot_mapping, dtype) -> None:
     check_tensor(op, "cache", cache, 4, QUANT_DTYPES + FLOAT_DTYPES)
     num_pages, page_size, hkv, d = cache.shape
     _expect(op, d % BLOCK == 0, f"head_dim {d} is not a multiple of {BLOCK}")
+    _expect(op, min(cache.shape) >= 1, f"cache shape {_shape(cache)} has an empty dimension")
+    _expect(op, cache.stride(-1) == 1 and cache.stride(-2) == d and cache.stride(1) == hkv * d,
+            "cache must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense); "
+            "call .contiguous()")
     if cache.dtype in QUANT_DTYPES:
         _expect(op, scale is not None, f"scale is required for a {cache.dtype} cache")
         check_tensor(op, "scale", scale, 4, (SCALE_DTYPE,), cache.device)
         _expect(op, tuple(scale.shape) == (num_pages, page_size, hkv, d // BLOCK),
                 f"scale has shape {_shape(scale)}; expected {[num_pages, page_size, hkv, d // BLOCK]}")
+        _expect(op, scale.is_contiguous(), "scale must be contiguous; call .contiguous()")
     else:
         _expect(op, scale is None, f"scale must be None for an unquantized {cache.dtype} cache")
     _expect(op, dtype in FLOAT_DTYPES, f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, backends, reference
+from .spec import FLOAT_DTYPES
 
 SCHEMAS = {
     "store_kv": "store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -132,6 +133,7 @@ def decode_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: O
     Returns out, [batch, num_q_heads, head_dim] in the query dtype. Reference: fp32 attention over the
     dequantized cache (:func:`kvq.reference.decode_attention`).
     """
+    _checks.check_tensor("decode_attention", "query", query, 3, FLOAT_DTYPES)  # before it sizes the defaults
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if sm_scale is None else float(sm_scale)
     out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
     args = (query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, int(window_left),
@@ -154,6 +156,7 @@ def extend_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor,
     Token i of sequence b sits at position prefix_lens[b] + i; causal keeps keys at positions <= its own.
     Reference: :func:`kvq.reference.extend_attention`.
     """
+    _checks.check_tensor("extend_attention", "query", query, 3, FLOAT_DTYPES)  # before it sizes the defaults
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if sm_scale is None else float(sm_scale)
     out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
     args = (query, key, value, k_cache, v_cache, k_scale, v_scale, block_table, prefix_lens, cu_seqlens_q,
