@@ -152,3 +152,12 @@ def dequant_f16(raw, scale, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: t
             b = raw.to(tl.int16)  # see dequant: the e4m3 bits shifted into an fp16 are the value times 2^-8
             h = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
         return h * scale
+
+
+@triton.jit
+def page_of(bt_row_ptr, n, keep, num_pages, PAGE_SIZE: tl.constexpr):
+    """The page holding token ``n`` of a sequence (``[N, 1]`` int64) and ``keep`` narrowed to pages inside
+    ``[0, num_pages)``: a bad block-table entry drops its keys instead of reading outside the cache."""
+    pg = tl.load(bt_row_ptr + n // PAGE_SIZE, mask=keep, other=0)
+    keep = keep & (pg >= 0) & (pg < num_pages)
+    return tl.where(keep, pg, 0).to(tl.int64)[:, None], keep

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, dequant_f16,
-                      has_e4m3_cvt, scores, softmax_step, upcast)
+                      has_e4m3_cvt, page_of, scores, softmax_step, upcast)
 
 _LOG2E = 1.4426950408889634
 
@@ -53,7 +53,7 @@ def _load_tile(c_ptr, s_ptr, page, off, h, keep, d, stride_page,
 
 @triton.jit
 def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, vs_ptr, bt_ptr, sbt_b, len_ptr,
-                  acc_ptr, ml_ptr, num_splits, qk_scale, window_left, softcap,
+                  acc_ptr, ml_ptr, num_splits, qk_scale, window_left, softcap, num_pages, max_len,
                   PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr,
                   INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
@@ -63,7 +63,9 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
     # The tensor-core dtype: the query's for an unquantized cache, fp16 for an 8-bit one (see dequant_f16).
     CT: tl.constexpr = q_ptr.dtype.element_ty if FMT == 0 else tl.float16
 
-    seq_len = tl.load(len_ptr + b)
+    # Lengths and pages are clamped to the tensors' extents, so bad indices (with the host-side checks off)
+    # never reach memory outside them.
+    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_len)
     lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
     # Each sequence spreads its own visible range over all splits, in whole BLOCK_N tiles.
     chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
@@ -84,8 +86,7 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
     acc = tl.zeros([GP, D], tl.float32)
     for n0 in range(start, stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        keep = n < stop
-        page = tl.load(bt_ptr + b * sbt_b + n // PAGE_SIZE, mask=keep, other=0).to(tl.int64)[:, None]
+        page, keep = page_of(bt_ptr + b * sbt_b, n, n < stop, num_pages, PAGE_SIZE)
         off = (n % PAGE_SIZE)[:, None]
         k = _load_tile(kc_ptr, ks_ptr, page, off, h, keep[:, None], d[None, :], sk_page,
                        PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
@@ -167,8 +168,8 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=query.device)
     _decode_split[(batch, hkv, splits)](
         query, query.stride(0), query.stride(1), kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs,
-        block_table, block_table.stride(0), seq_lens, acc, ml, splits, sm_scale * _LOG2E, window_left,
-        float(logit_softcap), PAGE_SIZE=page_size, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
+        block_table, block_table.stride(0), seq_lens.contiguous(), acc, ml, splits, sm_scale * _LOG2E, window_left,
+        float(logit_softcap), k_cache.shape[0], max_len, PAGE_SIZE=page_size, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
         BLOCK_N=block_n, FMT=fmt, SOFTCAP=logit_softcap > 0, INTERP=INTERPRET,
         E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages)
     _decode_merge[(batch, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,

@@ -17,14 +17,14 @@ import triton
 import triton.language as tl
 
 from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, has_e4m3_cvt,
-                      scores, softmax_step, upcast)
+                      page_of, scores, softmax_step, upcast)
 from .decode import _LOG2E, _load_tile
 
 
 @triton.jit
 def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                    kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, bt_ptr, sbt_b, prefix_ptr, cu_ptr,
-                   out_ptr, so_t, so_h, batch, qk_scale, window_left, softcap,
+                   out_ptr, so_t, so_h, batch, total, qk_scale, window_left, softcap, num_pages, max_len,
                    PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, CAUSAL: tl.constexpr,
                    SOFTCAP: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
@@ -45,12 +45,13 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
         else:
             hi = mid
     b = lo
-    row0 = tl.load(cu_ptr + b)
-    n_new = tl.load(cu_ptr + b + 1) - row0
+    # Offsets and lengths are clamped to the tensors' extents (see decode.py).
+    row0 = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
+    n_new = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), row0), total) - row0
     mblk = pid - (row0 // BLOCK_M + b)
     if mblk * BLOCK_M >= n_new:
         return
-    prefix = tl.load(prefix_ptr + b)
+    prefix = tl.minimum(tl.maximum(tl.load(prefix_ptr + b), 0), max_len)
 
     m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)  # index among the new tokens
     rmask = m < n_new
@@ -71,8 +72,7 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
     p_lo = tl.where(window_left >= 0, tl.maximum(prefix + first - window_left, 0), 0)
     for n0 in range(p_lo, prefix, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        keep = n < prefix
-        page = tl.load(bt_ptr + b * sbt_b + n // PAGE_SIZE, mask=keep, other=0).to(tl.int64)[:, None]
+        page, keep = page_of(bt_ptr + b * sbt_b, n, n < prefix, num_pages, PAGE_SIZE)
         off = (n % PAGE_SIZE)[:, None]
         k = _load_tile(kc_ptr, ks_ptr, page, off, hk, keep[:, None], d[None, :], skc_page,
                        PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
@@ -135,7 +135,8 @@ def extend_attention(query, key, value, k_cache, v_cache, k_scale, v_scale, bloc
     _extend_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1), value, value.stride(0),
         value.stride(1), kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, block_table,
-        block_table.stride(0), prefix_lens, cu_seqlens_q, out, out.stride(0), out.stride(1), batch,
-        sm_scale * _LOG2E, window_left, float(logit_softcap), PAGE_SIZE=page_size, HKV=hkv, G=hq // hkv, D=d,
+        block_table.stride(0), prefix_lens.contiguous(), cu_seqlens_q.contiguous(), out, out.stride(0),
+        out.stride(1), batch, total, sm_scale * _LOG2E, window_left, float(logit_softcap), k_cache.shape[0],
+        block_table.shape[1] * page_size, PAGE_SIZE=page_size, HKV=hkv, G=hq // hkv, D=d,
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, CAUSAL=bool(causal), SOFTCAP=logit_softcap > 0,
         INTERP=INTERPRET, E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages)

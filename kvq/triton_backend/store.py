@@ -71,13 +71,13 @@ def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, 
 
 @triton.jit
 def _store_kernel(k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                  kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, slot_ptr,
+                  kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, slot_ptr, num_slots,
                   PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
                   BH: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    keep = slot >= 0  # -1 skips the token
-    slot = tl.maximum(slot, 0)
+    keep = (slot >= 0) & (slot < num_slots)  # -1 skips the token; so does a bad slot (checks off)
+    slot = tl.where(keep, slot, 0)
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     heads = (tl.program_id(1) * BH + tl.arange(0, BH))[:, None, None]
@@ -108,7 +108,8 @@ def store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> No
     bh = _heads_per_program(hkv, d)
     grid = (t, triton.cdiv(hkv, bh))
     _store_kernel[grid](key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                        kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, slot_mapping,
+                        kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, slot_mapping.contiguous(),
+                        k_cache.shape[0] * page_size,
                         PAGE_SIZE=page_size, HKV=hkv, NB=nb, NBP=triton.next_power_of_2(nb), BH=bh, FMT=fmt,
                         INTERP=INTERPRET, num_warps=4,
                         # no mul+sub -> fma contraction: q8_0 rounding reads the fractional part of the rounded y
@@ -116,13 +117,13 @@ def store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> No
 
 
 @triton.jit
-def _dequant_kernel(c_ptr, sc_page, s_ptr, slot_ptr, out_ptr,
+def _dequant_kernel(c_ptr, sc_page, s_ptr, slot_ptr, num_slots, out_ptr,
                     PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
                     BH: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    keep = slot >= 0
-    slot = tl.maximum(slot, 0)
+    keep = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(keep, slot, 0)
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     heads = (tl.program_id(1) * BH + tl.arange(0, BH))[:, None, None]
@@ -155,7 +156,8 @@ def dequantize(cache, scale, slot_mapping, dtype):
     c = as_kernel_arg(cache)
     s = c if scale is None else scale
     bh = _heads_per_program(hkv, d)
-    _dequant_kernel[(t, triton.cdiv(hkv, bh))](c, cache.stride(0), s, slot_mapping, out, PAGE_SIZE=page_size,
+    _dequant_kernel[(t, triton.cdiv(hkv, bh))](c, cache.stride(0), s, slot_mapping.contiguous(),
+                                               cache.shape[0] * page_size, out, PAGE_SIZE=page_size,
                                                HKV=hkv, NB=nb, NBP=triton.next_power_of_2(nb), BH=bh, FMT=fmt,
                                                INTERP=INTERPRET)
     return out
