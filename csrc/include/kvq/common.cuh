@@ -1,0 +1,191 @@
+// Formats, the quantize numerics shared by every kernel, and the dequant helpers.
+//
+// The quantize path must produce the bytes of kvq/reference.py on every architecture, so it uses
+// explicitly rounded intrinsics (__fdiv_rn, __fmul_rn) that nvcc can neither contract into FMAs nor
+// replace with approximations; the extension is never built with --use_fast_math.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace kvq {
+
+constexpr int kBlock = 32;  // elements of head_dim that share one fp16 scale
+constexpr unsigned short kCanonicalNanF16 = 0x7E00;
+
+// The storage format of a cache. kSame stores the model dtype (bf16/fp16) without scales.
+enum class Format : int { kSame = 0, kQ8_0 = 1, kFp8E4M3 = 2 };
+// The dtype of queries, new keys/values and outputs.
+enum class DType : int { kBF16 = 0, kFP16 = 1 };
+
+template <typename S>
+struct StorageTraits;  // S: the element type stored in the cache
+template <>
+struct StorageTraits<int8_t> {
+  static constexpr bool kQuantized = true;
+  static constexpr float kMax = 127.0f;
+};
+template <>
+struct StorageTraits<__nv_fp8_e4m3> {
+  static constexpr bool kQuantized = true;
+  static constexpr float kMax = 448.0f;
+};
+template <>
+struct StorageTraits<__nv_bfloat16> {
+  static constexpr bool kQuantized = false;
+};
+template <>
+struct StorageTraits<__half> {
+  static constexpr bool kQuantized = false;
+};
+
+// ------------------------------------------------------------------------------------ conversions
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(int8_t x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3)));  // exact
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// Eight 16-bit floats packed in 16 bytes, to fp32.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = to_float(h[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 u;
+  T* h = reinterpret_cast<T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = from_float<T>(f[i]);
+  return u;
+}
+
+// Four int8 in one word to exact fp32: the biased byte goes into the mantissa of 2^23 and the bias comes
+// off with one exact subtraction (cheaper than four I2F conversions).
+__device__ __forceinline__ void int8x4_to_float(uint32_t w, float* f) {
+  const uint32_t x = w ^ 0x80808080u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[i] = __int_as_float(__byte_perm(x, 0x4B000000u, 0x7540 + i)) - 8388736.0f;  // 2^23 + 128
+  }
+}
+
+// Two e4m3 in 16 bits to exact fp32 (hardware cvt to f16x2 on sm_89+).
+__device__ __forceinline__ void fp8x2_to_float(uint16_t w, float* f) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
+  const float2 v = __half22float2(__half2(h));
+  f[0] = v.x;
+  f[1] = v.y;
+}
+
+// N consecutive stored elements (raw bytes in registers) to fp32, without the block scale.
+template <typename S, int N>
+__device__ __forceinline__ void unpack_raw(const uint32_t* w, float* f) {
+  if constexpr (sizeof(S) == 1) {
+    static_assert(N % 2 == 0, "8-bit elements are unpacked in pairs");
+    if constexpr (std::is_same_v<S, int8_t>) {
+      if constexpr (N == 2) {
+        f[0] = static_cast<float>(static_cast<int8_t>(w[0] & 0xFF));
+        f[1] = static_cast<float>(static_cast<int8_t>((w[0] >> 8) & 0xFF));
+      } else {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) int8x4_to_float(w[i], f + 4 * i);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) fp8x2_to_float(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))), f + 2 * i);
+    }
+  } else {
+    const S* h = reinterpret_cast<const S*>(w);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = to_float(h[i]);
+  }
+}
+
+// ------------------------------------------------------------------------------------ quantize
+// One 32-element block is held by a pair of adjacent lanes (16 elements each). The pair agrees on
+// amax and on whether the block holds inf/NaN; fmaxf drops NaN, so non-finiteness is tracked apart.
+struct BlockQuant {
+  float inv;          // 1/d, 0 when d == 0
+  uint16_t scale;     // fp16 bits of d, or the canonical NaN for a non-finite block
+  bool finite;
+};
+
+template <int N>
+__device__ __forceinline__ BlockQuant block_quant_pair(const float* x, float max_magnitude) {
+  float amax = 0.0f;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    amax = fmaxf(amax, fabsf(x[i]));
+    bad |= !isfinite(x[i]);
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  bad = __shfl_xor_sync(0xffffffffu, static_cast<int>(bad), 1) != 0 || bad;
+  BlockQuant q;
+  const float d = __fdiv_rn(amax, max_magnitude);
+  q.inv = d == 0.0f ? 0.0f : __fdiv_rn(1.0f, d);
+  q.finite = !bad;
+  q.scale = bad ? kCanonicalNanF16 : __half_as_ushort(__float2half_rn(d));
+  return q;
+}
+
+// y = x * (1/d) without contraction; NaN (0 * inf) becomes 0, its true value.
+__device__ __forceinline__ float scaled(float x, float inv) {
+  const float y = __fmul_rn(x, inv);
+  return y != y ? 0.0f : y;
+}
+
+// Eight fp32 to eight q8_0 bytes (round half away from zero, clamp +-127), in two words.
+__device__ __forceinline__ uint2 quant8_q8_0(const float* x, float inv) {
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float y = fminf(fmaxf(scaled(x[i], inv), -127.0f), 127.0f);
+    const uint32_t b = static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(roundf(y))));
+    w[i / 4] |= b << (8 * (i % 4));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Eight fp32 to eight e4m3 bytes: clamp +-448, then one round-to-nearest-even from fp32.
+__device__ __forceinline__ uint2 quant8_fp8(const float* x, float inv) {
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    const float a = fminf(fmaxf(scaled(x[i], inv), -448.0f), 448.0f);
+    const float b = fminf(fmaxf(scaled(x[i + 1], inv), -448.0f), 448.0f);
+    const uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    w[i / 4] |= p << (16 * ((i / 2) % 2));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+template <typename S>
+__device__ __forceinline__ uint2 quant8(const float* x, float inv) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    return quant8_q8_0(x, inv);
+  } else {
+    return quant8_fp8(x, inv);
+  }
+}
+
+__device__ __forceinline__ float scale_to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+
+}  // namespace kvq

@@ -1,0 +1,429 @@
+// decode_attention: one query token per sequence against its paged (8-bit or bf16/fp16) cache.
+//
+// Flash-decoding. A CTA owns (sequence b, kv head, split); each of its warps walks its own 32-token chunks
+// of the split and keeps its own softmax state (m, l, acc) for every query head of the kv head, so the
+// GQA heads share each K/V load. Chunks are copied raw (8-bit values and fp16 scales) into warp-private
+// shared memory with 16-byte cp.async, double buffered, and dequantized in registers:
+//   QK: lane = token; s[g] = sum_blocks scale_blk * (q[g] . k_blk), q read from shared memory (broadcast)
+//   PV: lane = HD/32 consecutive elements; acc[g] += p[g][t] * v[t]
+// Each warp writes its partial (m, l, acc) to a workspace sized from shapes only; a merge kernel
+// combines the num_splits * warps partials of each query head. No host sync, no data-dependent
+// allocation: CUDA-graph capturable. Scores are in log2 units (log2(e) and sm_scale folded into q).
+#pragma once
+
+#include <algorithm>
+
+#include "common.cuh"
+#include "dispatch.cuh"
+#include "paged.cuh"
+
+namespace kvq {
+
+struct DecodeParams {
+  const void* query = nullptr;  // [batch, num_q_heads, head_dim]
+  int64_t q_stride_batch = 0, q_stride_head = 0;
+  void* out = nullptr;  // [batch, num_q_heads, head_dim], query dtype
+  int64_t o_stride_batch = 0, o_stride_head = 0;
+  const void* k_cache = nullptr;  // [num_pages, page_size, num_kv_heads, head_dim]
+  const void* v_cache = nullptr;
+  const uint16_t* k_scale = nullptr;  // [num_pages, page_size, num_kv_heads, head_dim / 32] fp16 or null
+  const uint16_t* v_scale = nullptr;
+  int64_t k_stride_page = 0, v_stride_page = 0;
+  int num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0;
+  const int32_t* block_table = nullptr;  // [batch, max_pages]
+  int64_t block_table_stride = 0;
+  int max_pages = 0;
+  const int32_t* seq_lens = nullptr;  // [batch]
+  int batch = 0, num_q_heads = 0;
+  float sm_scale = 1.0f;
+  int window_left = -1;
+  float logit_softcap = 0.0f;
+  Format format = Format::kSame;
+  DType dtype = DType::kBF16;  // of query and out
+  int num_splits = 1;          // from decode_plan
+  float* workspace = nullptr;  // decode_workspace_floats() floats
+};
+
+namespace detail {
+
+constexpr int kChunkTokens = 32;
+constexpr int kStages = 2;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename S, int HD>
+struct DecodeConfig {
+  static constexpr int kRowBytes = HD * static_cast<int>(sizeof(S));
+  static constexpr int kRowStride = kRowBytes + 16;  // padding: lanes reading different rows hit different banks
+  static constexpr int kScaleBytes = StorageTraits<S>::kQuantized ? HD / kBlock * 2 : 0;  // per row
+  static constexpr int kWarps = kRowBytes <= 256 ? 4 : 2;
+  static constexpr int kStageBytes = 2 * kChunkTokens * (kRowStride + kScaleBytes);
+  static constexpr int kE = HD / 32;  // elements per lane in PV
+};
+
+template <typename S, int HD, int GMAX>
+constexpr int decode_smem_bytes() {
+  using C = DecodeConfig<S, HD>;
+  return GMAX * HD * 4 + C::kWarps * (GMAX * kChunkTokens * 4 + kStages * C::kStageBytes);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, bypassing L1; src_bytes == 0 zero-fills (a masked or invalid row).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+template <int N>
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src, int src_bytes) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async sizes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(N),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// max that propagates NaN: a NaN score must reach the output, never be dropped by fmaxf.
+__device__ __forceinline__ float nanmax(float a, float b) { return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b); }
+
+template <int NB>
+__device__ __forceinline__ void load_words(const unsigned char* p, uint32_t* w) {
+  if constexpr (NB == 16) {
+    *reinterpret_cast<uint4*>(w) = *reinterpret_cast<const uint4*>(p);
+  } else if constexpr (NB == 8) {
+    *reinterpret_cast<uint2*>(w) = *reinterpret_cast<const uint2*>(p);
+  } else if constexpr (NB == 4) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    static_assert(NB == 2, "row slice sizes");
+    w[0] = *reinterpret_cast<const uint16_t*>(p);
+  }
+}
+
+// grid (num_splits, num_kv_heads, batch); block kWarps * 32.
+template <typename S, int HD, int GMAX>
+__global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
+    decode_split_kernel(DecodeParams p) {
+  using C = DecodeConfig<S, HD>;
+  constexpr bool kQuant = StorageTraits<S>::kQuantized;
+  constexpr int kC16 = C::kRowBytes / 16;       // 16-byte pieces per row
+  constexpr int kEPC = 16 / sizeof(S);          // elements per piece
+  constexpr int kPPB = kBlock / kEPC;           // pieces per 32-element block
+  constexpr int kE = C::kE;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* q_s = reinterpret_cast<float*>(smem);  // [GMAX][HD]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* p_s = q_s + GMAX * HD + warp * GMAX * kChunkTokens;  // [GMAX][32], this warp's
+  unsigned char* stage_base = smem + (GMAX * HD + C::kWarps * GMAX * kChunkTokens) * 4 +
+                              warp * kStages * C::kStageBytes;
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int G = p.num_q_heads / p.num_kv_heads;
+
+  paged_kv_t<S> cache;
+  cache.num_pages = p.num_pages;
+  cache.page_size = p.page_size;
+  cache.num_kv_heads = p.num_kv_heads;
+  cache.head_dim = HD;
+  cache.k_stride_page = p.k_stride_page;
+  cache.v_stride_page = p.v_stride_page;
+  cache.block_table = p.block_table;
+  cache.block_table_stride = p.block_table_stride;
+  cache.max_pages = p.max_pages;
+  cache.lengths = p.seq_lens;
+
+  // Queries of this kv head, scaled so that q . k is the logit in log2 units (or in natural units
+  // when a softcap must see it).
+  const bool softcap = p.logit_softcap > 0.0f;
+  const float qscale = softcap ? p.sm_scale : p.sm_scale * kLog2e;
+  for (int i = threadIdx.x; i < GMAX * HD; i += blockDim.x) {
+    const int g = i / HD, d = i % HD;
+    float x = 0.0f;
+    if (g < G) {
+      const int64_t o = b * p.q_stride_batch + (kvh * G + g) * p.q_stride_head + d;
+      x = p.dtype == DType::kBF16 ? to_float(static_cast<const __nv_bfloat16*>(p.query)[o])
+                                  : to_float(static_cast<const __half*>(p.query)[o]);
+    }
+    q_s[i] = x * qscale;
+  }
+  __syncthreads();
+
+  // This split's token range within the visible keys [start, L).
+  const int L = cache.length(b);
+  const int start = p.window_left >= 0 ? max(0, L - 1 - p.window_left) : 0;
+  const int n = L - start;
+  const int span = ((n + p.num_splits - 1) / p.num_splits + kChunkTokens - 1) / kChunkTokens * kChunkTokens;
+  const int begin = min(L, start + split * span);
+  const int end = min(L, begin + span);
+  const int first = begin + warp * kChunkTokens;
+  const int step = C::kWarps * kChunkTokens;
+  const int num_chunks = end > first ? (end - first + step - 1) / step : 0;
+
+  const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
+  const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);
+
+  // Issue the copies of chunk c (tokens first + c * step + [0, 32)) into stage c % kStages.
+  auto issue = [&](int c) {
+    unsigned char* st = stage_base + (c % kStages) * C::kStageBytes;
+    unsigned char* ks = st;
+    unsigned char* vs = st + kChunkTokens * C::kRowStride;
+    unsigned char* kss = st + 2 * kChunkTokens * C::kRowStride;
+    unsigned char* vss = kss + kChunkTokens * C::kScaleBytes;
+    const int t = first + c * step + lane;
+    int64_t page = -1, off = 0;
+    if (t < end) {
+      page = cache.page_of(b, t);
+      off = t % p.page_size;
+    }
+    const bool ok = page >= 0;
+    const int64_t kofs = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+    const int64_t vofs = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+#pragma unroll
+    for (int i = 0; i < kC16; ++i) {
+      const int idx = i * 32 + lane;
+      const int r = idx / kC16, piece = idx % kC16;
+      const int64_t ko = __shfl_sync(0xffffffffu, kofs, r);
+      const int64_t vo = __shfl_sync(0xffffffffu, vofs, r);
+      const int bytes = __shfl_sync(0xffffffffu, ok ? 16 : 0, r);
+      cp_async16(ks + r * C::kRowStride + piece * 16, kbase + ko + piece * 16, bytes);
+      cp_async16(vs + r * C::kRowStride + piece * 16, vbase + vo + piece * 16, bytes);
+    }
+    if constexpr (kQuant) {
+      const int64_t so = ok ? cache.scale_offset(page * p.page_size + off, kvh) : 0;
+      cp_async_small<C::kScaleBytes>(kss + lane * C::kScaleBytes, p.k_scale + so, ok ? C::kScaleBytes : 0);
+      cp_async_small<C::kScaleBytes>(vss + lane * C::kScaleBytes, p.v_scale + so, ok ? C::kScaleBytes : 0);
+    }
+  };
+
+  float m[GMAX], l[GMAX], acc[GMAX][kE];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) acc[g][e] = 0.0f;
+  }
+
+  if (num_chunks > 0) issue(0);
+  cp_async_commit();
+  for (int c = 0; c < num_chunks; ++c) {
+    if (c + 1 < num_chunks) issue(c + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncwarp();
+    const unsigned char* st = stage_base + (c % kStages) * C::kStageBytes;
+    const unsigned char* ks = st;
+    const unsigned char* vs = st + kChunkTokens * C::kRowStride;
+    const uint16_t* kss = reinterpret_cast<const uint16_t*>(st + 2 * kChunkTokens * C::kRowStride);
+    const uint16_t* vss = kss + kChunkTokens * C::kScaleBytes / 2;
+
+    // ---- QK: lane = token
+    const int t = first + c * step + lane;
+    const bool valid = t < end && cache.page_of(b, t) >= 0;
+    float s[GMAX];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) s[g] = 0.0f;
+#pragma unroll 1  // a rolled loop over blocks keeps the code (and the build) small; the FMAs dominate
+    for (int blk = 0; blk < HD / kBlock; ++blk) {
+      float part[GMAX];
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) part[g] = 0.0f;
+#pragma unroll
+      for (int h = 0; h < kPPB; ++h) {
+        const int piece = blk * kPPB + h;
+        uint32_t w[4];
+        load_words<16>(ks + lane * C::kRowStride + piece * 16, w);
+        float kf[kEPC];
+        unpack_raw<S, kEPC>(w, kf);
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+          if (g < G) {
+            const float4* qv = reinterpret_cast<const float4*>(q_s + g * HD + piece * kEPC);
+#pragma unroll
+            for (int j = 0; j < kEPC / 4; ++j) {
+              const float4 qq = qv[j];
+              part[g] = fmaf(qq.x, kf[4 * j], part[g]);
+              part[g] = fmaf(qq.y, kf[4 * j + 1], part[g]);
+              part[g] = fmaf(qq.z, kf[4 * j + 2], part[g]);
+              part[g] = fmaf(qq.w, kf[4 * j + 3], part[g]);
+            }
+          }
+        }
+      }
+      const float sc = kQuant ? scale_to_float(kss[lane * (HD / kBlock) + blk]) : 1.0f;
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) s[g] = fmaf(part[g], sc, s[g]);
+    }
+
+    // ---- online softmax (per warp, per query head)
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g < G) {
+        float x = s[g];
+        if (softcap) x = p.logit_softcap * tanhf(x / p.logit_softcap) * kLog2e;
+        x = valid ? x : -INFINITY;
+        float cm = x;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) cm = nanmax(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+        const float mn = nanmax(m[g], cm);
+        float pr, corr;
+        if (mn == -INFINITY) {  // nothing visible yet
+          pr = 0.0f;
+          corr = 1.0f;
+        } else {
+          pr = exp2f(x - mn);
+          corr = exp2f(m[g] - mn);
+        }
+        m[g] = mn;
+        l[g] = l[g] * corr + pr;
+#pragma unroll
+        for (int e = 0; e < kE; ++e) acc[g][e] *= corr;
+        p_s[g * kChunkTokens + lane] = pr;
+      }
+    }
+    __syncwarp();
+
+    // ---- PV: lane = elements [lane * kE, lane * kE + kE)
+    constexpr int kSliceBytes = kE * static_cast<int>(sizeof(S));
+#pragma unroll 2
+    for (int t4 = 0; t4 < kChunkTokens; t4 += 4) {
+      float v[4][kE];
+#pragma unroll
+      for (int tt = 0; tt < 4; ++tt) {
+        uint32_t w[(kSliceBytes + 3) / 4];
+        load_words<kSliceBytes>(vs + (t4 + tt) * C::kRowStride + lane * kSliceBytes, w);
+        unpack_raw<S, kE>(w, v[tt]);
+        if constexpr (kQuant) {
+          const float sc = scale_to_float(vss[(t4 + tt) * (HD / kBlock) + lane * kE / kBlock]);
+#pragma unroll
+          for (int e = 0; e < kE; ++e) v[tt][e] *= sc;
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (g < G) {
+          const float4 pp = *reinterpret_cast<const float4*>(p_s + g * kChunkTokens + t4);
+#pragma unroll
+          for (int e = 0; e < kE; ++e) {
+            acc[g][e] = fmaf(pp.x, v[0][e], acc[g][e]);
+            acc[g][e] = fmaf(pp.y, v[1][e], acc[g][e]);
+            acc[g][e] = fmaf(pp.z, v[2][e], acc[g][e]);
+            acc[g][e] = fmaf(pp.w, v[3][e], acc[g][e]);
+          }
+        }
+      }
+    }
+    __syncwarp();  // the stage and p_s are rewritten by the next iteration
+  }
+  cp_async_wait<0>();
+
+  // ---- this warp's partial: [batch, num_q_heads, parts] (m, l) and [batch, num_q_heads, parts, HD] acc
+  const int parts = p.num_splits * C::kWarps;
+  const int part = split * C::kWarps + warp;
+  float* ws_ml = p.workspace;
+  float* ws_acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      float lsum = l[g];
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * parts + part;
+      if (lane == 0) {
+        ws_ml[row * 2] = m[g];
+        ws_ml[row * 2 + 1] = lsum;
+      }
+#pragma unroll
+      for (int e = 0; e < kE; ++e) ws_acc[row * HD + lane * kE + e] = acc[g][e];
+    }
+  }
+}
+
+// grid (num_q_heads, batch); block head_dim threads: combine the partials of one query head.
+template <typename O>
+__global__ void decode_merge_kernel(DecodeParams p, int parts) {
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * parts;
+  const float* ml = p.workspace + row * 2;
+  const float* acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2 + row * p.head_dim;
+  float mx = -INFINITY;
+  for (int i = 0; i < parts; ++i) mx = nanmax(mx, ml[2 * i]);
+  float L = 0.0f, o = 0.0f;
+  if (mx != -INFINITY) {  // else no key was visible (seq_len 0): the output is 0
+    for (int i = 0; i < parts; ++i) {
+      const float mi = ml[2 * i];
+      if (mi == -INFINITY) continue;
+      const float w = exp2f(mi - mx);
+      L += ml[2 * i + 1] * w;
+      o += acc[static_cast<int64_t>(i) * p.head_dim + d] * w;
+    }
+  }
+  const float r = L == 0.0f ? 0.0f : o / L;
+  static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(r);
+}
+
+}  // namespace detail
+
+// Warps per CTA of the split kernel (its partials per split), from the storage format and head_dim.
+inline int decode_warps(Format format, DType dtype, int head_dim) {
+  int warps = 0;
+  cudaError_t e = KVQ_DISPATCH_STORAGE(format, dtype, S, {
+    return KVQ_DISPATCH_HEAD_DIM(head_dim, HD, {
+      warps = detail::DecodeConfig<S, HD>::kWarps;
+      return cudaSuccess;
+    });
+  });
+  return e == cudaSuccess ? warps : 0;
+}
+
+// Splits along the sequence, from shapes only (graph-safe): enough CTAs to fill the GPU about twice,
+// but no split shorter than two chunks per warp of the longest sequence the block table can hold.
+inline int decode_num_splits(int batch, int num_kv_heads, int max_tokens, int warps, int num_sms) {
+  const int ctas = batch * num_kv_heads;
+  if (ctas <= 0 || warps <= 0) return 1;
+  const int want = (2 * num_sms + ctas - 1) / ctas;
+  const int min_span = 2 * warps * detail::kChunkTokens;
+  const int cap = (max_tokens + min_span - 1) / min_span;
+  return std::max(1, std::min(want, std::min(cap, 256)));
+}
+
+inline int64_t decode_workspace_floats(int batch, int num_q_heads, int head_dim, int num_splits, int warps) {
+  return static_cast<int64_t>(batch) * num_q_heads * num_splits * warps * (head_dim + 2);
+}
+
+inline cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
+  return KVQ_DISPATCH_STORAGE(p.format, p.dtype, S, {
+    return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
+      return KVQ_DISPATCH_GROUP(group, GMAX, {
+        using C = detail::DecodeConfig<S, HD>;
+        constexpr int smem = detail::decode_smem_bytes<S, HD, GMAX>();
+        auto kernel = detail::decode_split_kernel<S, HD, GMAX>;
+        // Opt in to > 48 KB of shared memory once per device (outside any graph capture that follows).
+        static bool opted_in[64] = {};
+        int dev = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e != cudaSuccess) return e;
+        if (dev < 0 || dev >= 64 || !opted_in[dev]) {
+          e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          if (e != cudaSuccess) return e;
+          if (dev >= 0 && dev < 64) opted_in[dev] = true;
+        }
+        kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), C::kWarps * 32, smem, stream>>>(p);
+        e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+        const int parts = p.num_splits * C::kWarps;
+        return KVQ_DISPATCH_DTYPE(p.dtype, O, {
+          detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch), HD, 0, stream>>>(p, parts);
+          return cudaGetLastError();
+        });
+      });
+    });
+  });
+}
+
+}  // namespace kvq

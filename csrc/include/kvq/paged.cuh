@@ -1,0 +1,62 @@
+// The paged KV layout, described once (as flashinfer's paged_kv_t).
+//
+//   k, v:               [num_pages, page_size, num_kv_heads, head_dim]  (dense within a page)
+//   k_scale, v_scale:   [num_pages, page_size, num_kv_heads, head_dim / 32] fp16, contiguous; null when
+//                       the cache stores the model dtype
+//   block_table:        [batch, max_pages] int32; lengths: [batch] int32 (tokens of each sequence)
+// A token's slot is page * page_size + offset. Every accessor that takes an index from a tensor is
+// guarded: out-of-range slots and pages are reported invalid and never dereferenced.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace kvq {
+
+template <typename S>
+struct paged_kv_t {
+  S* k = nullptr;
+  S* v = nullptr;
+  uint16_t* k_scale = nullptr;  // fp16 bits
+  uint16_t* v_scale = nullptr;
+  int64_t k_stride_page = 0;  // elements; within a page the layout is dense
+  int64_t v_stride_page = 0;
+  int num_pages = 0;
+  int page_size = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int max_pages = 0;  // columns of block_table
+  const int32_t* lengths = nullptr;
+
+  __host__ __device__ int64_t num_slots() const { return static_cast<int64_t>(num_pages) * page_size; }
+  __device__ bool valid_slot(int64_t slot) const { return slot >= 0 && slot < num_slots(); }
+  __device__ bool valid_page(int64_t page) const { return page >= 0 && page < num_pages; }
+
+  // Element offsets of one (page, offset, head) row in k / v, and of its scales.
+  __device__ int64_t k_offset(int64_t page, int64_t off, int head) const {
+    return page * k_stride_page + (off * num_kv_heads + head) * static_cast<int64_t>(head_dim);
+  }
+  __device__ int64_t v_offset(int64_t page, int64_t off, int head) const {
+    return page * v_stride_page + (off * num_kv_heads + head) * static_cast<int64_t>(head_dim);
+  }
+  __device__ int64_t scale_offset(int64_t slot, int head) const {
+    return (slot * num_kv_heads + head) * static_cast<int64_t>(head_dim / kBlock);
+  }
+
+  // Tokens of sequence b, clamped to what its block_table row can hold.
+  __device__ int length(int b) const {
+    const int n = lengths[b];
+    const int64_t cap = static_cast<int64_t>(max_pages) * page_size;
+    return n < 0 ? 0 : (n > cap ? static_cast<int>(cap) : n);
+  }
+  // The page holding token t of sequence b (t < length(b)), or -1 when the table points outside the cache.
+  __device__ int64_t page_of(int b, int t) const {
+    const int64_t p = block_table[b * block_table_stride + t / page_size];
+    return valid_page(p) ? p : -1;
+  }
+};
+
+}  // namespace kvq

@@ -1,0 +1,185 @@
+// store_kv: quantize (or copy) new K/V rows into the paged cache; dequantize: gather slots back.
+//
+// Each thread owns 16 consecutive elements of one (token, head) row of K and the same of V: two 16-byte
+// loads per tensor, one 16-byte store of 8-bit values (or two of bf16/fp16). The two lanes holding one
+// 32-element block agree on its scale by one shuffle. K, V and both scale planes go in one launch.
+#pragma once
+
+#include "common.cuh"
+#include "dispatch.cuh"
+#include "paged.cuh"
+
+namespace kvq {
+
+constexpr int kStoreThreads = 256;
+constexpr int kChunk = 16;  // elements per thread
+
+struct StoreParams {
+  const void* key = nullptr;    // [num_tokens, num_kv_heads, head_dim], 16-byte aligned rows
+  const void* value = nullptr;  // same shape
+  int64_t key_stride_token = 0, key_stride_head = 0;  // elements
+  int64_t value_stride_token = 0, value_stride_head = 0;
+  const void* slot_mapping = nullptr;  // [num_tokens] int64 or int32; -1 skips
+  bool slot_is_int32 = false;
+  int64_t num_tokens = 0;
+  void* k_cache = nullptr;  // [num_pages, page_size, num_kv_heads, head_dim]
+  void* v_cache = nullptr;
+  uint16_t* k_scale = nullptr;  // [num_pages, page_size, num_kv_heads, head_dim / 32] fp16; null unquantized
+  uint16_t* v_scale = nullptr;
+  int64_t k_stride_page = 0, v_stride_page = 0;
+  int num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0;
+  Format format = Format::kSame;
+  DType dtype = DType::kBF16;  // of key/value
+};
+
+__device__ __forceinline__ int64_t load_slot(const void* p, bool is_int32, int64_t i) {
+  return is_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(p)[i]) : static_cast<const int64_t*>(p)[i];
+}
+
+template <typename T, typename S>
+__device__ __forceinline__ void store_chunk(const T* src, S* dst, uint16_t* scale_dst, bool write, bool writes_scale) {
+  const uint4 a = reinterpret_cast<const uint4*>(src)[0];
+  const uint4 b = reinterpret_cast<const uint4*>(src)[1];
+  if constexpr (StorageTraits<S>::kQuantized) {
+    float x[kChunk];
+    unpack8<T>(a, x);
+    unpack8<T>(b, x + 8);
+    const BlockQuant q = block_quant_pair<kChunk>(x, StorageTraits<S>::kMax);  // every lane takes part
+    if (!write) return;
+    const uint2 lo = q.finite ? quant8<S>(x, q.inv) : make_uint2(0u, 0u);
+    const uint2 hi = q.finite ? quant8<S>(x + 8, q.inv) : make_uint2(0u, 0u);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    if (writes_scale) *scale_dst = q.scale;
+  } else {
+    if (!write) return;
+    reinterpret_cast<uint4*>(dst)[0] = a;
+    reinterpret_cast<uint4*>(dst)[1] = b;
+  }
+}
+
+// T: key/value dtype; S: storage element (T itself for an unquantized cache).
+template <typename T, typename S>
+__global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p) {
+  const int chunks = p.head_dim / kChunk;  // even, so both lanes of a block share a row and a fate
+  const int64_t total = p.num_tokens * p.num_kv_heads * chunks;
+  int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool in_range = idx < total;
+  if (!in_range) idx = total - 1;  // stay in the shuffles, write nothing
+  const int c = static_cast<int>(idx % chunks);
+  const int64_t row = idx / chunks;
+  const int h = static_cast<int>(row % p.num_kv_heads);
+  const int64_t t = row / p.num_kv_heads;
+
+  paged_kv_t<S> cache;
+  cache.num_pages = p.num_pages;
+  cache.page_size = p.page_size;
+  cache.num_kv_heads = p.num_kv_heads;
+  cache.head_dim = p.head_dim;
+  cache.k_stride_page = p.k_stride_page;
+  cache.v_stride_page = p.v_stride_page;
+
+  const int64_t slot = load_slot(p.slot_mapping, p.slot_is_int32, t);
+  const bool write = in_range && cache.valid_slot(slot);  // -1 and out-of-range slots write nothing
+  const int64_t s = write ? slot : 0;
+  const int64_t page = s / p.page_size, off = s % p.page_size;
+  const bool writes_scale = (c % 2) == 0;
+  const int64_t so = cache.scale_offset(s, h) + c / 2;
+
+  const T* key = static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + c * kChunk;
+  const T* value = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + c * kChunk;
+  S* kdst = static_cast<S*>(p.k_cache) + cache.k_offset(page, off, h) + c * kChunk;
+  S* vdst = static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h) + c * kChunk;
+  store_chunk<T, S>(key, kdst, p.k_scale + so, write, writes_scale);
+  store_chunk<T, S>(value, vdst, p.v_scale + so, write, writes_scale);
+}
+
+inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
+  if (p.head_dim % kBlock != 0 || p.head_dim <= 0) return cudaErrorInvalidValue;
+  const int64_t total = p.num_tokens * p.num_kv_heads * (p.head_dim / kChunk);
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = (total + kStoreThreads - 1) / kStoreThreads;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+  return KVQ_DISPATCH_DTYPE(p.dtype, T, {
+    return KVQ_DISPATCH_STORAGE(p.format, p.dtype, S, {
+      if constexpr (!StorageTraits<S>::kQuantized && !std::is_same_v<S, T>) {
+        return cudaErrorInvalidValue;  // an unquantized cache stores the input dtype
+      } else {
+        store_kv_kernel<T, S><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
+        return cudaGetLastError();
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------------------------------ dequantize
+struct DequantParams {
+  const void* cache = nullptr;     // [num_pages, page_size, num_kv_heads, head_dim]
+  const uint16_t* scale = nullptr; // [num_pages, page_size, num_kv_heads, head_dim / 32]; null unquantized
+  int64_t stride_page = 0;
+  int num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0;
+  const void* slot_mapping = nullptr;  // [num_tokens] int64 or int32; -1 yields zeros
+  bool slot_is_int32 = false;
+  int64_t num_tokens = 0;
+  void* out = nullptr;  // [num_tokens, num_kv_heads, head_dim], contiguous
+  Format format = Format::kSame;
+  DType cache_dtype = DType::kBF16;  // of an unquantized cache
+  DType out_dtype = DType::kBF16;
+};
+
+template <typename S, typename O>
+__global__ void __launch_bounds__(kStoreThreads) dequantize_kernel(DequantParams p) {
+  const int chunks = p.head_dim / kChunk;
+  const int64_t total = p.num_tokens * p.num_kv_heads * chunks;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total) return;
+  const int c = static_cast<int>(idx % chunks);
+  const int64_t row = idx / chunks;
+  const int h = static_cast<int>(row % p.num_kv_heads);
+  const int64_t t = row / p.num_kv_heads;
+
+  paged_kv_t<S> cache;
+  cache.num_pages = p.num_pages;
+  cache.page_size = p.page_size;
+  cache.num_kv_heads = p.num_kv_heads;
+  cache.head_dim = p.head_dim;
+  cache.k_stride_page = p.stride_page;
+
+  const int64_t slot = load_slot(p.slot_mapping, p.slot_is_int32, t);
+  float x[kChunk];
+  if (cache.valid_slot(slot)) {
+    const int64_t page = slot / p.page_size, off = slot % p.page_size;
+    const S* src = static_cast<const S*>(p.cache) + cache.k_offset(page, off, h) + c * kChunk;
+    constexpr int kWords = kChunk * sizeof(S) / 4;
+    uint32_t w[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; i += 4) *reinterpret_cast<uint4*>(w + i) = reinterpret_cast<const uint4*>(src)[i / 4];
+    unpack_raw<S, kChunk>(w, x);
+    if constexpr (StorageTraits<S>::kQuantized) {
+      const float d = scale_to_float(p.scale[cache.scale_offset(slot, h) + c / 2]);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) x[i] = __fmul_rn(x[i], d);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) x[i] = 0.0f;
+  }
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<O*>(p.out) + row * p.head_dim + c * kChunk);
+  dst[0] = pack8<O>(x);
+  dst[1] = pack8<O>(x + 8);
+}
+
+inline cudaError_t dequantize(const DequantParams& p, cudaStream_t stream) {
+  if (p.head_dim % kBlock != 0 || p.head_dim <= 0) return cudaErrorInvalidValue;
+  const int64_t total = p.num_tokens * p.num_kv_heads * (p.head_dim / kChunk);
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = (total + kStoreThreads - 1) / kStoreThreads;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+  return KVQ_DISPATCH_STORAGE(p.format, p.cache_dtype, S, {
+    return KVQ_DISPATCH_DTYPE(p.out_dtype, O, {
+      dequantize_kernel<S, O><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace kvq

@@ -1,0 +1,102 @@
+// torch adapter for decode_attention: check metadata, size the split workspace from shapes, launch.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kvq/decode.cuh"
+#include "ops.h"
+
+using namespace kvq_torch;
+
+namespace {
+int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
+    cached[device] = n;
+  }
+  return cached[device];
+}
+}  // namespace
+
+void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, head_dim] bf16/fp16
+                           const at::Tensor& k_cache, // [num_pages, page_size, num_kv_heads, head_dim]
+                           const at::Tensor& v_cache, // same
+                           const std::optional<at::Tensor>& k_scale,  // [num_pages, page_size, num_kv_heads, head_dim/32]
+                           const std::optional<at::Tensor>& v_scale,
+                           const at::Tensor& block_table,  // [batch, max_pages] int32
+                           const at::Tensor& seq_lens,     // [batch] int32
+                           double sm_scale, int64_t window_left, double logit_softcap,
+                           at::Tensor& out)                // [batch, num_q_heads, head_dim], query dtype
+{
+  const char* op = "decode_attention";
+  const CacheInfo c = check_cache(op, k_cache, v_cache, k_scale, v_scale);
+  const auto dev = k_cache.device();
+  check_tensor(op, "query", query, 3, {at::kBFloat16, at::kHalf}, dev);
+  const int64_t batch = query.size(0), hq = query.size(1);
+  KVQ_CHECK(op, query.size(2) == c.head_dim, "query head_dim ", query.size(2), " differs from the cache's ", c.head_dim);
+  KVQ_CHECK(op, c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, "the CUDA decode kernel supports head_dim "
+            "64, 128 or 256, got ", c.head_dim);
+  KVQ_CHECK(op, query.stride(2) == 1, "query must have a unit stride on head_dim; call .contiguous()");
+  KVQ_CHECK(op, hq % c.num_kv_heads == 0, "query has ", hq, " heads, not a multiple of the cache's ", c.num_kv_heads,
+            " kv heads (GQA needs num_q_heads % num_kv_heads == 0)");
+  KVQ_CHECK(op, hq / c.num_kv_heads <= 16, "the CUDA decode kernel supports up to 16 query heads per kv head, got ",
+            hq / c.num_kv_heads);
+  check_tensor(op, "out", out, 3, {query.scalar_type()}, dev);
+  KVQ_CHECK(op, out.sizes() == query.sizes(), "out has shape ", shape_str(out), "; it must match query ", shape_str(query));
+  KVQ_CHECK(op, out.stride(2) == 1, "out must have a unit stride on head_dim");
+  KVQ_CHECK(op, sm_scale > 0, "sm_scale must be positive, got ", sm_scale);
+  KVQ_CHECK(op, window_left >= -1, "window_left must be -1 (no window) or >= 0, got ", window_left);
+  KVQ_CHECK(op, logit_softcap >= 0, "logit_softcap must be 0 (none) or positive, got ", logit_softcap);
+  KVQ_CHECK(op, c.quantized || query.scalar_type() == k_cache.scalar_type(), "query is ", query.scalar_type(),
+            " but the unquantized cache is ", k_cache.scalar_type(), "; they must match");
+  check_tensor(op, "block_table", block_table, 2, {at::kInt}, dev);
+  check_tensor(op, "seq_lens", seq_lens, 1, {at::kInt}, dev);
+  KVQ_CHECK(op, block_table.size(0) == batch && seq_lens.size(0) == batch, "block_table ", shape_str(block_table),
+            " and seq_lens ", shape_str(seq_lens), " must have one row per sequence (", batch, ")");
+  KVQ_CHECK(op, block_table.stride(1) == 1 || block_table.size(1) <= 1, "block_table must have a unit stride on its last dim");
+  KVQ_CHECK(op, batch <= 65535 && c.num_kv_heads <= 65535, "batch and num_kv_heads must be at most 65535");
+  if (batch == 0) return;
+
+  const c10::cuda::CUDAGuard guard(dev);
+  const at::Tensor lens = seq_lens.contiguous();
+  kvq::DecodeParams p;
+  p.query = query.data_ptr();
+  p.q_stride_batch = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.out = out.data_ptr();
+  p.o_stride_batch = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.k_scale = c.quantized ? static_cast<const uint16_t*>(k_scale->data_ptr()) : nullptr;
+  p.v_scale = c.quantized ? static_cast<const uint16_t*>(v_scale->data_ptr()) : nullptr;
+  p.k_stride_page = k_cache.stride(0);
+  p.v_stride_page = v_cache.stride(0);
+  p.num_pages = static_cast<int>(c.num_pages);
+  p.page_size = static_cast<int>(c.page_size);
+  p.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  p.head_dim = static_cast<int>(c.head_dim);
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.block_table_stride = block_table.stride(0);
+  p.max_pages = static_cast<int>(block_table.size(1));
+  p.seq_lens = lens.data_ptr<int32_t>();
+  p.batch = static_cast<int>(batch);
+  p.num_q_heads = static_cast<int>(hq);
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.window_left = static_cast<int>(std::min<int64_t>(window_left, INT32_MAX));
+  p.logit_softcap = static_cast<float>(logit_softcap);
+  p.format = to_format(k_cache.scalar_type());
+  p.dtype = to_dtype(query.scalar_type());
+
+  const int warps = kvq::decode_warps(p.format, p.dtype, p.head_dim);
+  const int64_t max_tokens = std::min<int64_t>(block_table.size(1) * c.page_size, INT32_MAX);
+  p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), warps,
+                                        sm_count(dev.index()));
+  at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
+                            query.options().dtype(at::kFloat));
+  p.workspace = ws.data_ptr<float>();
+  const cudaError_t e = kvq::decode_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  TORCH_CHECK(e == cudaSuccess, "kvq.decode_attention: kernel launch failed: ", cudaGetErrorString(e));
+}

@@ -1,0 +1,134 @@
+// The CUDA implementations of the kvq ops (schemas in kvq/ops.py) and the checks their adapters share.
+//
+// Adapters check metadata only (dtype, shape, device, strides, alignment), with messages in the style of
+// kvq/_checks.py; index contents (slots, pages, lengths) are checked in Python when allowed, and the
+// kernels guard every access either way.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+
+void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                   const at::Tensor& slot_mapping);
+
+void decode_attention_cuda(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens, double sm_scale,
+                           int64_t window_left, double logit_softcap, at::Tensor& out);
+
+void extend_attention_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const at::Tensor& block_table, const at::Tensor& prefix_lens,
+                           const at::Tensor& cu_seqlens_q, double sm_scale, bool causal, int64_t window_left,
+                           double logit_softcap, at::Tensor& out);
+
+at::Tensor dequantize_cuda(const at::Tensor& cache, const std::optional<at::Tensor>& scale,
+                           const at::Tensor& slot_mapping, at::ScalarType dtype);
+
+// The architectures this extension was compiled for, e.g. "8.9;9.0;12.0".
+const char* kvq_cuda_archs();
+
+// The helpers below need the CUDA headers; register.cpp (plain C++) only needs the declarations above.
+#ifdef __CUDACC__
+#include "kvq/common.cuh"
+
+namespace kvq_torch {
+
+#define KVQ_CHECK(op, cond, ...) TORCH_CHECK_VALUE(cond, "kvq.", op, ": ", __VA_ARGS__)
+
+inline std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+inline bool is_float16ish(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+inline kvq::DType to_dtype(at::ScalarType t) { return t == at::kBFloat16 ? kvq::DType::kBF16 : kvq::DType::kFP16; }
+
+// The storage format a cache dtype stands for (int8 = q8_0, float8_e4m3fn = fp8_e4m3, bf16/fp16 = itself).
+inline kvq::Format to_format(at::ScalarType t) {
+  if (t == at::kChar) return kvq::Format::kQ8_0;
+  if (t == at::kFloat8_e4m3fn) return kvq::Format::kFp8E4M3;
+  return kvq::Format::kSame;
+}
+
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+inline void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t ndim,
+                         std::initializer_list<at::ScalarType> dtypes, const at::Device& device) {
+  KVQ_CHECK(op, t.dim() == ndim, name, " must have ", ndim, " dims, got shape ", shape_str(t));
+  bool ok = false;
+  std::string names;
+  for (auto d : dtypes) {
+    ok |= t.scalar_type() == d;
+    names += (names.empty() ? "" : " or ") + std::string(c10::toString(d));
+  }
+  KVQ_CHECK(op, ok, name, " has dtype ", t.scalar_type(), "; expected ", names);
+  KVQ_CHECK(op, t.device() == device, name, " is on ", t.device(), " but the cache is on ", device);
+}
+
+struct CacheInfo {
+  int64_t num_pages, page_size, num_kv_heads, head_dim;
+  bool quantized;
+};
+
+// Validates a K/V cache pair and its scale planes (mirrors kvq/_checks.py check_cache).
+inline CacheInfo check_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const auto dev = k_cache.device();
+  KVQ_CHECK(op, dev.is_cuda(), "k_cache is on ", dev, "; the CUDA kernels need CUDA tensors");
+  for (auto* c : {&k_cache, &v_cache}) {
+    check_tensor(op, c == &k_cache ? "k_cache" : "v_cache", *c, 4,
+                 {at::kChar, at::kFloat8_e4m3fn, at::kBFloat16, at::kHalf}, dev);
+  }
+  KVQ_CHECK(op, k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(), "k_cache ",
+            shape_str(k_cache), " ", k_cache.scalar_type(), " and v_cache ", shape_str(v_cache), " ",
+            v_cache.scalar_type(), " must have the same shape and dtype");
+  CacheInfo info{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3), !is_float16ish(k_cache.scalar_type())};
+  const int64_t d = info.head_dim, hkv = info.num_kv_heads;
+  KVQ_CHECK(op, d % kvq::kBlock == 0, "head_dim ", d, " is not a multiple of ", kvq::kBlock);
+  KVQ_CHECK(op, info.page_size >= 1 && hkv >= 1 && info.num_pages >= 1, "cache shape ", shape_str(k_cache),
+            " has an empty dimension");
+  for (auto* c : {&k_cache, &v_cache}) {
+    KVQ_CHECK(op, c->stride(3) == 1 && c->stride(2) == d && c->stride(1) == hkv * d,
+              c == &k_cache ? "k_cache" : "v_cache",
+              " must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense)");
+    KVQ_CHECK(op, aligned16(*c) && (c->stride(0) * c->element_size()) % 16 == 0,
+              c == &k_cache ? "k_cache" : "v_cache", " must start on a 16-byte boundary with 16-byte aligned pages");
+  }
+  for (const auto* s : {&k_scale, &v_scale}) {
+    const char* name = s == &k_scale ? "k_scale" : "v_scale";
+    if (!info.quantized) {
+      KVQ_CHECK(op, !s->has_value(), name, " must be None for an unquantized ", k_cache.scalar_type(), " cache");
+      continue;
+    }
+    KVQ_CHECK(op, s->has_value(), name, " is required for a ", k_cache.scalar_type(), " cache");
+    const at::Tensor& t = **s;
+    check_tensor(op, name, t, 4, {at::kHalf}, dev);
+    KVQ_CHECK(op, t.size(0) == info.num_pages && t.size(1) == info.page_size && t.size(2) == hkv &&
+                      t.size(3) == d / kvq::kBlock,
+              name, " has shape ", shape_str(t), "; for a cache of shape ", shape_str(k_cache), " it must be [",
+              info.num_pages, ", ", info.page_size, ", ", hkv, ", ", d / kvq::kBlock, "]");
+    KVQ_CHECK(op, t.is_contiguous() && aligned16(t), name, " must be contiguous and 16-byte aligned");
+  }
+  return info;
+}
+
+// A [rows, heads, head_dim] tensor whose rows the kernels read with 16-byte loads: returns it, or an
+// aligned copy when its base or strides are not 16-byte aligned (same values, shapes-only allocation).
+inline at::Tensor aligned_rows(const at::Tensor& t) {
+  const int64_t es = t.element_size();
+  const bool ok = aligned16(t) && (t.stride(0) * es) % 16 == 0 && (t.stride(1) * es) % 16 == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+}  // namespace kvq_torch
+#endif  // __CUDACC__

@@ -1,0 +1,66 @@
+// torch adapter for store_kv: check metadata, fill kvq::StoreParams, launch on the current stream.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kvq/store.cuh"
+#include "ops.h"
+
+using namespace kvq_torch;
+
+void store_kv_cuda(const at::Tensor& key,           // [num_tokens, num_kv_heads, head_dim] bf16/fp16
+                   const at::Tensor& value,         // [num_tokens, num_kv_heads, head_dim] like key
+                   at::Tensor& k_cache,             // [num_pages, page_size, num_kv_heads, head_dim]
+                   at::Tensor& v_cache,             // same
+                   const std::optional<at::Tensor>& k_scale,  // [num_pages, page_size, num_kv_heads, head_dim/32]
+                   const std::optional<at::Tensor>& v_scale,
+                   const at::Tensor& slot_mapping)  // [num_tokens] int64/int32, -1 skips
+{
+  const char* op = "store_kv";
+  const CacheInfo c = check_cache(op, k_cache, v_cache, k_scale, v_scale);
+  const auto dev = k_cache.device();
+  for (auto* t : {&key, &value}) {
+    const char* name = t == &key ? "key" : "value";
+    if (c.quantized) {
+      check_tensor(op, name, *t, 3, {at::kBFloat16, at::kHalf}, dev);
+    } else {
+      check_tensor(op, name, *t, 3, {k_cache.scalar_type()}, dev);
+    }
+    KVQ_CHECK(op, t->size(1) == c.num_kv_heads && t->size(2) == c.head_dim, name, " has shape ", shape_str(*t),
+              "; expected [num_tokens, ", c.num_kv_heads, ", ", c.head_dim, "]");
+    KVQ_CHECK(op, t->stride(2) == 1, name, " must have a unit stride on head_dim; call .contiguous()");
+  }
+  KVQ_CHECK(op, value.scalar_type() == key.scalar_type() && value.size(0) == key.size(0), "value ",
+            shape_str(value), " ", value.scalar_type(), " must match key ", shape_str(key), " ", key.scalar_type());
+  check_tensor(op, "slot_mapping", slot_mapping, 1, {at::kLong, at::kInt}, dev);
+  KVQ_CHECK(op, slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
+            " entries but key has ", key.size(0), " tokens");
+  if (key.size(0) == 0) return;
+
+  const c10::cuda::CUDAGuard guard(dev);
+  const at::Tensor k = aligned_rows(key), v = aligned_rows(value);
+  const at::Tensor slots = slot_mapping.contiguous();
+  kvq::StoreParams p;
+  p.key = k.data_ptr();
+  p.value = v.data_ptr();
+  p.key_stride_token = k.stride(0);
+  p.key_stride_head = k.stride(1);
+  p.value_stride_token = v.stride(0);
+  p.value_stride_head = v.stride(1);
+  p.slot_mapping = slots.data_ptr();
+  p.slot_is_int32 = slots.scalar_type() == at::kInt;
+  p.num_tokens = key.size(0);
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.k_scale = c.quantized ? static_cast<uint16_t*>(k_scale->data_ptr()) : nullptr;
+  p.v_scale = c.quantized ? static_cast<uint16_t*>(v_scale->data_ptr()) : nullptr;
+  p.k_stride_page = k_cache.stride(0);
+  p.v_stride_page = v_cache.stride(0);
+  p.num_pages = static_cast<int>(c.num_pages);
+  p.page_size = static_cast<int>(c.page_size);
+  p.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  p.head_dim = static_cast<int>(c.head_dim);
+  p.format = to_format(k_cache.scalar_type());
+  p.dtype = to_dtype(key.scalar_type());
+  const cudaError_t e = kvq::store_kv(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  TORCH_CHECK(e == cudaSuccess, "kvq.store_kv: kernel launch failed: ", cudaGetErrorString(e));
+}

@@ -1,0 +1,250 @@
+"""CUDA-specific tests of the compiled kernels (kvq._C) against the reference, on a GPU.
+
+Parity of the ops over every backend lives in test_store.py / test_attention.py; here: rounding ties and
+non-finite blocks on the GPU, slots and pages out of range with the index checks off, decode edge cases
+(GQA groups, windows, softcap, empty sequences, NaN propagation) and CUDA-graph capture.
+"""
+
+import math
+
+import pytest
+import torch
+
+import kvq
+from kvq import reference
+
+from common import backend_ops, poison_, random_paged, rel_err
+
+pytestmark = pytest.mark.gpu
+QUANT = {"q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@pytest.fixture
+def ops():
+    return backend_ops("cuda")
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype != torch.float16 else t.view(torch.int16)
+
+
+def _store(fn, key, value, cache_dt, pages, page_size, slots, dev):
+    """A fresh poisoned cache on ``dev``, stored into by ``fn``; returns (k, v, k_scale, v_scale) on CPU."""
+    t, hkv, d = key.shape
+    kc, ks = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
+    vc, vs = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
+    for x in (kc, vc, ks, vs):
+        if x is not None:
+            poison_(x)
+    fn(key.to(dev), value.to(dev), kc, vc, ks, vs, slots.to(dev))
+    return tuple(None if x is None else x.cpu() for x in (kc, vc, ks, vs))
+
+
+def _store_both(ops, key, value, cache_dt, pages, page_size, slots):
+    """Store with the CUDA op and with the reference (on CPU)."""
+    return (_store(ops.store_kv, key, value, cache_dt, pages, page_size, slots, "cuda"),
+            _store(reference.store_kv, key, value, cache_dt, pages, page_size, slots, "cpu"))
+
+
+def _assert_same_bytes(got, want):
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            assert torch.equal(_bytes(g), _bytes(w))
+
+
+def _special_rows(t, hkv, d, dtype):
+    """Rows whose scaled values land on rounding ties of q8_0 (x.5) and of e4m3 (midpoints), and blocks
+    holding zeros, inf, NaN and tiny values."""
+    x = torch.randn(t, hkv, d) * 3
+    blocks = x.view(t, hkv, d // 32, 32)
+    ties = torch.arange(-15, 16, dtype=torch.float32) + 0.5  # q8_0 ties when d == 1 (amax 127)
+    blocks[0, 0, 0, :31] = ties
+    blocks[0, 0, 0, 31] = 127.0
+    mids = torch.tensor([17.0, 19.0, 9.0, 13.0, 0.5 * (0.015625 + 0.017578125), 104.0, 232.0, 240.0])
+    blocks[1 % t, 0, 0, :8] = mids  # e4m3 ties when d == 1 (amax 448)
+    blocks[1 % t, 0, 0, 8:] = 0.0
+    blocks[1 % t, 0, 0, 31] = 448.0
+    blocks[2 % t, 0, -1] = 0.0
+    blocks[3 % t, -1, 0, 5] = math.inf
+    blocks[4 % t, -1, -1, 7] = math.nan
+    blocks[5 % t, 0, 0] = torch.randn(32) * 1e-38
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "same"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,page_size", [(64, 1), (128, 16), (256, 7)])
+def test_store_bytes_match_reference_including_ties(ops, fmt, dtype, d, page_size):
+    cache_dt = QUANT.get(fmt, dtype)
+    t, hkv, pages = 24, 3, 8
+    key = _special_rows(t, hkv, d, dtype)
+    value = (torch.randn(t, hkv, d) * 50).to(dtype)
+    slots = torch.randperm(pages * page_size)[:t]
+    slots[3] = -1
+    got, want = _store_both(ops, key.cuda(), value.cuda(), cache_dt, pages, page_size, slots)
+    _assert_same_bytes(got, want)
+
+
+def test_store_accepts_strided_rows_from_a_fused_qkv(ops):
+    t, hq, hkv, d = 10, 8, 2, 128
+    qkv = torch.randn(t, hq + 2 * hkv, d, dtype=torch.bfloat16, device="cuda")
+    key, value = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    slots = torch.randperm(4 * 16)[:t]
+    got, want = _store_both(ops, key, value, torch.int8, 4, 16, slots)
+    _assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+def test_store_skips_out_of_range_slots_with_checks_off(ops, fmt):
+    cache_dt = QUANT.get(fmt, torch.bfloat16)
+    t, hkv, d, pages, page_size = 12, 2, 64, 3, 4
+    key = torch.randn(t, hkv, d, dtype=torch.bfloat16)
+    value = torch.randn(t, hkv, d, dtype=torch.bfloat16)
+    slots = torch.randperm(pages * page_size)[:t]
+    bad = slots.clone()
+    bad[[1, 4, 7]] = torch.tensor([pages * page_size, 10 ** 9, -5])
+    good = slots.clone()
+    good[[1, 4, 7]] = -1
+    kvq.set_index_checks(False)
+    try:
+        got = _store(ops.store_kv, key, value, cache_dt, pages, page_size, bad, "cuda")
+    finally:
+        kvq.set_index_checks(True)
+    want = _store(reference.store_kv, key, value, cache_dt, pages, page_size, good, "cpu")
+    _assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_matches_reference_bit_for_bit(ops, fmt, out_dtype):
+    cache_dt = QUANT.get(fmt, torch.bfloat16)
+    p = random_paged([37, 5], 8, 2, 128, cache_dt, device="cuda")
+    slots = torch.tensor([0, 3, -1, 17, 40, 5], device="cuda")
+    got = ops.dequantize(p.k_cache, p.k_scale, slots, out_dtype)
+    want = reference.dequantize(p.k_cache, p.k_scale, slots, out_dtype)
+    assert torch.equal(_bytes(got), _bytes(want))
+
+
+def _decode_case(ops, fmt, dtype, lens, hq, hkv, d, page_size, window_left=-1, softcap=0.0):
+    cache_dt = QUANT.get(fmt, dtype)
+    p = random_paged(lens, page_size, hkv, d, cache_dt, model_dtype=dtype, device="cuda")
+    q = torch.randn(len(lens), hq, d, dtype=dtype, device="cuda")
+    out = poison_(torch.empty_like(q))
+    sm = 1 / math.sqrt(d)
+    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
+                         window_left, softcap, out)
+    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
+                               window_left, softcap, ref)
+    return out, ref
+
+
+def _assert_close(out, ref, lens):
+    # fp32 math either way; the output rounding to bf16/fp16 dominates. Allow 2x that rounding error.
+    floor = rel_err(ref.to(out.dtype), ref)
+    assert rel_err(out, ref) <= 2 * floor + 1e-5, (rel_err(out, ref), floor)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "same"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 6, 16])
+def test_decode_matches_reference(ops, fmt, d, group):
+    lens = [1, 77, 1000, 0, 4100]
+    out, ref = _decode_case(ops, fmt, torch.bfloat16, lens, 2 * group, 2, d, 16)
+    _assert_close(out, ref, lens)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_page_sizes_and_dtypes(ops, page_size, dtype):
+    lens = [513, 2, 3000]
+    out, ref = _decode_case(ops, "fp8_e4m3", dtype, lens, 8, 2, 128, page_size)
+    _assert_close(out, ref, lens)
+
+
+@pytest.mark.parametrize("window_left,softcap", [(0, 0.0), (100, 0.0), (-1, 30.0), (700, 5.0)])
+def test_decode_window_and_softcap(ops, window_left, softcap):
+    lens = [1, 90, 2500]
+    out, ref = _decode_case(ops, "q8_0", torch.bfloat16, lens, 8, 2, 128, 16, window_left, softcap)
+    _assert_close(out, ref, lens)
+
+
+def test_decode_propagates_non_finite_blocks(ops):
+    hkv, d = 2, 128
+    p = random_paged([50, 60], 16, hkv, d, torch.int8, device="cuda")
+    bad = torch.randn(1, hkv, d, dtype=torch.bfloat16, device="cuda")
+    bad[0, 1, 3] = math.nan
+    slot = p.block_table[0, 1].long() * 16 + 4  # token 20 of sequence 0
+    ops.store_kv(bad, bad, p.k_cache, p.v_cache, p.k_scale, p.v_scale, slot.view(1))
+    q = torch.randn(2, 8, d, dtype=torch.bfloat16, device="cuda")
+    out = poison_(torch.empty_like(q))
+    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, 0.1, -1, 0.0, out)
+    assert torch.isnan(out[0, 4:]).all()  # the query heads of kv head 1 read the NaN block
+    assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
+
+
+def test_decode_guards_pages_out_of_range_with_checks_off(ops):
+    p = random_paged([40, 40], 16, 2, 64, torch.int8, device="cuda")
+    table = p.block_table.clone()
+    table[0, 1] = 10 ** 6
+    table[1, 0] = -3
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device="cuda")
+    out = poison_(torch.empty_like(q))
+    kvq.set_index_checks(False)
+    try:
+        ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, table, p.seq_lens, 0.1, -1, 0.0, out)
+    finally:
+        kvq.set_index_checks(True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()  # the bad pages are skipped, the rest is attended
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "same"])
+def test_cuda_graph_replay_equals_eager(ops, fmt):
+    dtype, hq, hkv, d, page_size = torch.bfloat16, 8, 2, 128, 16
+    cache_dt = QUANT.get(fmt, dtype)
+    p = random_paged([300, 1200], page_size, hkv, d, cache_dt, device="cuda")
+    key = torch.randn(2, hkv, d, dtype=dtype, device="cuda")
+    value = torch.randn_like(key)
+    q = torch.randn(2, hq, d, dtype=dtype, device="cuda")
+    lens = p.seq_lens.clone()
+    lens += 1
+    slots = torch.stack([p.block_table[b, (lens[b] - 1) // page_size].long() * page_size + (lens[b] - 1) % page_size
+                         for b in range(2)])
+    out = torch.empty_like(q)
+    caches = (p.k_cache, p.v_cache, p.k_scale, p.v_scale)
+    snapshot = [None if c is None else c.clone() for c in caches]
+
+    def step():
+        ops.store_kv(key, value, *caches, slots)
+        ops.decode_attention(q, *caches, p.block_table, lens, 0.1, -1, 0.0, out)
+
+    step()  # warm up (and compile nothing lazily inside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        key.normal_()
+        value.normal_()
+        q.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [out.clone()] + [None if c is None else c.clone() for c in caches]
+        for c, s in zip(caches, snapshot):  # eager from the same starting cache
+            if c is not None:
+                c.copy_(s)
+        step()
+        torch.cuda.synchronize()
+        want = [out] + list(caches)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert torch.equal(_bytes(g), _bytes(w))
+        for c, s in zip(caches, snapshot):
+            if c is not None:
+                c.copy_(s)

@@ -1,0 +1,206 @@
+"""Parity of the CUDA extend (prefill) kernel with the reference.
+
+The truth is float64 attention over the dequantized prefix and the exact new K/V. The tolerance is tied to
+what the same math in the query dtype achieves (flash-attention's rule): a PyTorch baseline that casts q and
+the dequantized K/V to the query dtype, computes scores and softmax in fp32 and casts P to the query dtype
+before P @ V. Every sequence of a batch must satisfy err(kernel) <= 2 * err(baseline) + half an ulp of the
+output dtype, so one wrong short sequence cannot hide behind long ones. Outputs are poisoned with NaN first.
+"""
+
+import math
+
+import pytest
+import torch
+
+import kvq
+from kvq import backends, reference
+
+from common import cache_dtype, poison_, random_paged, rel_err
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+# (prefix, new) per sequence: new-token counts around the 64-row tile and 64-key block edges, prefixes
+# 0 and nonzero (ending inside and on page boundaries).
+RAGGED = [(0, 1), (17, 2), (64, 31), (0, 32), (5, 33), (100, 63), (1, 64), (300, 65), (33, 130), (0, 0), (40, 3)]
+
+
+@pytest.fixture(autouse=True)
+def _cuda_active():
+    if backends.selection().active != "cuda":
+        pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
+
+
+def make_case(seqs, hq, hkv, d, fmt, dtype, page_size, scale=1.0):
+    prefix = [p for p, _ in seqs]
+    new = [n for _, n in seqs]
+    paged = random_paged(prefix, page_size, hkv, d, cache_dtype(fmt, dtype), model_dtype=dtype, device=DEV)
+    total = sum(new)
+    q = (torch.randn(total, hq, d, device=DEV) * scale).to(dtype)
+    k = torch.randn(total, hkv, d, device=DEV).to(dtype)
+    v = torch.randn(total, hkv, d, device=DEV).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    prefix_t = torch.tensor(prefix, dtype=torch.int32, device=DEV)
+    return paged, q, k, v, cu, prefix_t
+
+
+def attention(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dtype):
+    """q [n, Hq, D], k/v [L, Hkv, D]: float64 truth (dtype None) or the same-precision baseline (dtype)."""
+    n, hq, d = q.shape
+    g = hq // k.shape[1]
+    if dtype is None:
+        qf, kf, vf = q.double(), k.double(), v.double()
+    else:
+        qf, kf, vf = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
+    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
+    s = torch.einsum("nhd,lhd->hnl", qf, kf) * sm_scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    vis = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device)
+    if causal:
+        vis &= k_pos[None, :] <= q_pos[:, None]
+    if window_left >= 0:
+        vis &= k_pos[None, :] >= q_pos[:, None] - window_left
+    p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)
+    if dtype is not None:
+        p = p.to(dtype).float()
+    return torch.einsum("hnl,lhd->nhd", p, vf)
+
+
+def check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, window_left, softcap):
+    dtype = q.dtype
+    floor = 0.5 * torch.finfo(dtype).eps
+    assert not out.isnan().any(), "the kernel left NaN (unwritten or wrong) elements"
+    worst = []
+    for b in range(prefix_t.shape[0]):
+        s, e, p = int(cu[b]), int(cu[b + 1]), int(prefix_t[b])
+        if e == s:
+            continue
+        kp = reference.gather_sequence(paged.k_cache, paged.k_scale, paged.block_table[b], p)
+        vp = reference.gather_sequence(paged.v_cache, paged.v_scale, paged.block_table[b], p)
+        kk, vv = torch.cat([kp, k[s:e].float()]), torch.cat([vp, v[s:e].float()])
+        k_pos = torch.arange(p + e - s, device=DEV)
+        q_pos = k_pos[p:]
+        args = (q[s:e], kk, vv, q_pos, k_pos, sm_scale, causal, window_left, softcap)
+        truth = attention(*args, None)
+        base = attention(*args, dtype).to(dtype)
+        err, err_base = rel_err(out[s:e], truth), rel_err(base, truth)
+        worst.append((err - 2 * err_base, b, err, err_base))
+        assert err <= 2 * err_base + floor, (
+            f"sequence {b} (prefix {p}, {e - s} new): kernel error {err:.3e} > 2 x baseline {err_base:.3e} + {floor:.1e}")
+    return max(worst)
+
+
+def run_case(seqs, hq=8, hkv=2, d=128, fmt="q8_0", dtype=torch.bfloat16, page_size=16, causal=True,
+             window_left=-1, softcap=0.0, scale=1.0):
+    paged, q, k, v, cu, prefix_t = make_case(seqs, hq, hkv, d, fmt, dtype, page_size, scale)
+    sm_scale = 1.0 / math.sqrt(d)
+    out = poison_(torch.empty_like(q))
+    torch.ops.kvq.extend_attention(q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
+                                   paged.block_table, prefix_t, cu, sm_scale, causal, window_left, softcap, out)
+    return check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, window_left, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("fmt", ["same", "q8_0", "fp8_e4m3"])
+def test_formats_head_dims(fmt, d, dtype):
+    run_case(RAGGED, hq=8, hkv=2, d=d, fmt="bf16" if fmt == "same" else fmt, dtype=dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
+def test_gqa_and_page_sizes(fmt, group, page_size):
+    run_case(RAGGED, hq=2 * group, hkv=2, d=64, fmt=fmt, page_size=page_size)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("causal,window_left,softcap", [
+    (False, -1, 0.0), (True, 0, 0.0), (True, 20, 0.0), (True, 100, 0.0), (False, 50, 0.0),
+    (True, -1, 30.0), (False, 37, 5.0)])
+def test_masks_and_softcap(fmt, causal, window_left, softcap):
+    run_case(RAGGED, hq=4, hkv=1, d=128, fmt=fmt, causal=causal, window_left=window_left, softcap=softcap,
+             scale=4.0 if softcap else 1.0)
+
+
+@pytest.mark.parametrize("fmt,group", [("q8_0", 16), ("fp8_e4m3", 4), ("fp16", 1)])
+def test_long(fmt, group):
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    run_case([(2000, 700), (0, 1500), (777, 1)], hq=2 * group, hkv=2, d=128, fmt=fmt, dtype=dtype, page_size=32)
+    run_case([(1500, 300)], hq=2 * group, hkv=2, d=128, fmt=fmt, dtype=dtype, page_size=16, window_left=256)
+
+
+def test_strided_inputs_and_output():
+    seqs = [(40, 70), (0, 5), (129, 64)]
+    hq, hkv, d = 8, 2, 128
+    paged, q, k, v, cu, prefix_t = make_case(seqs, hq, hkv, d, "q8_0", torch.bfloat16, 16)
+    qkv = torch.randn(q.shape[0], hq + 2 * hkv, d, device=DEV, dtype=torch.bfloat16)  # a fused projection
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    big = poison_(torch.empty(q.shape[0], hq + 3, d, device=DEV, dtype=torch.bfloat16))
+    out = big[:, 1:hq + 1]
+    torch.ops.kvq.extend_attention(q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
+                                   paged.block_table, prefix_t, cu, 0.1, True, -1, 0.0, out)
+    check_against_truth(out, paged, q, k, v, cu, prefix_t, 0.1, True, -1, 0.0)
+    assert big[:, 0].isnan().all() and big[:, hq + 1:].isnan().all(), "wrote outside out's view"
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_scale_propagates(fmt, which):
+    seqs = [(50, 20), (30, 10)]
+    paged, q, k, v, cu, prefix_t = make_case(seqs, 4, 2, 64, fmt, torch.bfloat16, 16)
+    page = int(paged.block_table[0, 1])  # tokens 16..31 of sequence 0, visible to all its rows
+    (paged.k_scale if which == "k" else paged.v_scale)[page, 3, 1, 0] = math.nan
+    args = (q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale, paged.block_table, prefix_t, cu,
+            0.125, True, -1, 0.0)
+    out = torch.zeros_like(q)
+    torch.ops.kvq.extend_attention(*args, out)
+    ref = torch.empty_like(q, dtype=torch.float32)
+    reference.extend_attention(*args, ref)
+    assert ref[:20, 2:].isnan().any() and not ref[:20, :2].isnan().any() and not ref[20:].isnan().any()
+    assert torch.equal(out.isnan(), ref.isnan())
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    """The grid depends on shapes only: one captured launch serves other splits of the same token count."""
+    hq, hkv, d = 8, 2, 128
+    paged, q, k, v, cu, prefix_t = make_case([(100, 40), (30, 60), (0, 28)], hq, hkv, d, "q8_0", torch.bfloat16, 16)
+    out = poison_(torch.empty_like(q))
+    args = lambda: (q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale, paged.block_table,
+                    prefix_t, cu, 0.1, True, -1, 0.0, out)
+    torch.ops.kvq.extend_attention(*args())  # warm up (attribute setting, module load) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.kvq.extend_attention(*args())
+    # Prefixes stay within the tokens random_paged wrote (the rest of the cache is poison).
+    for new, pre in (([40, 60, 28], [100, 30, 0]), ([1, 126, 1], [99, 0, 0]), ([128, 0, 0], [7, 3, 0])):
+        cu.copy_(torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32))
+        prefix_t.copy_(torch.tensor(pre, dtype=torch.int32))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_truth(out, paged, q, k, v, cu, prefix_t, 0.1, True, -1, 0.0)
+
+
+def test_bad_pages_are_not_dereferenced():
+    """With index checks off, pages outside the cache read as zeros instead of faulting."""
+    paged, q, k, v, cu, prefix_t = make_case([(64, 8)], 4, 2, 64, "q8_0", torch.bfloat16, 16)
+    paged.block_table[0, 1] = -3
+    paged.block_table[0, 2] = paged.k_cache.shape[0] + 1000
+    out = poison_(torch.empty_like(q))
+    kvq.set_index_checks(False)
+    try:
+        torch.ops.kvq.extend_attention(q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
+                                       paged.block_table, prefix_t, cu, 0.125, True, -1, 0.0, out)
+        torch.cuda.synchronize()
+    finally:
+        kvq.set_index_checks(True)
+    assert out.isfinite().all()
+
+
+def test_wrapper_matches_op():
+    paged, q, k, v, cu, prefix_t = make_case([(20, 9), (0, 3)], 4, 2, 64, "fp8_e4m3", torch.float16, 8)
+    out = kvq.extend_attention(q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
+                               paged.block_table, prefix_t, cu)
+    check_against_truth(out, paged, q, k, v, cu, prefix_t, 1 / 8, True, -1, 0.0)

@@ -1,0 +1,60 @@
+"""The compiled extension kvq._C: it is built, loads, reports its architectures and registers every op (CPU).
+
+Without the extension these tests skip, unless KVQ_REQUIRE_EXTENSION=1 (CI sets it), when they fail.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvq
+from kvq.ops import SCHEMAS
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ARCHS = "8.9;9.0;12.0"
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if importlib.util.find_spec("kvq._C") is None:
+        msg = "kvq._C is not built (pip install --no-build-isolation -e . with nvcc and a CUDA build of torch)"
+        if os.environ.get("KVQ_REQUIRE_EXTENSION") == "1":
+            pytest.fail(msg + "; KVQ_REQUIRE_EXTENSION=1 requires it")
+        pytest.skip(msg)
+    import kvq._C
+
+    return kvq._C
+
+
+def _archs(spec: str) -> set[str]:
+    return {a.strip().split("+")[0] for a in spec.replace(" ", ";").split(";") if a.strip()}
+
+
+def test_cuda_archs_match_the_build_list(ext):
+    # The build honours TORCH_CUDA_ARCH_LIST and defaults to DEFAULT_ARCHS; run with the same variable.
+    got = ext.cuda_archs()
+    assert isinstance(got, str) and got
+    want = _archs(os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS))
+    assert want <= _archs(got), f"kvq._C was compiled for {got}, expected at least {sorted(want)}"
+    assert kvq.backends.compiled_archs() == got.split(";")
+
+
+def _cuda_kernel_source(name: str) -> str:
+    """The line of the dispatcher's table naming where the CUDA kernel of kvq::<name> was registered."""
+    table = torch._C._dispatch_dump(f"kvq::{name}")
+    lines = [ln for ln in table.splitlines() if ln.startswith("CUDA")]
+    return lines[0] if lines else ""
+
+
+def test_every_op_has_a_compiled_cuda_kernel(ext):
+    has_extend = (ROOT / "csrc" / "torch" / "extend.cu").exists()
+    for name in SCHEMAS:
+        if name == "extend_attention" and not has_extend:
+            continue
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvq::{name}", "CUDA"), name
+        src = _cuda_kernel_source(name)
+        assert "register.cpp" in src, f"kvq::{name}'s CUDA kernel does not come from kvq._C: {src!r}"
+
