@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 
 void store_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -41,7 +42,23 @@ const char* kvq_cuda_archs();
 
 namespace kvq_torch {
 
-#define KVQ_CHECK(op, cond, ...) TORCH_CHECK_VALUE(cond, "kvq.", op, ": ", __VA_ARGS__)
+// Messages are assembled with std::to_string, not by streaming numbers into a std::ostream: streaming an
+// integer from inside this extension crashed (in std::num_put) when it was built with another host compiler
+// than torch's, so numbers never reach an ostream here.
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, const char* x) { s += x; }
+inline void append(std::string& s, at::ScalarType x) { s += c10::toString(x); }
+inline void append(std::string& s, const at::Device& x) { s += x.str(); }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void append(std::string& s, T x) { s += std::to_string(x); }
+template <typename... A>
+inline std::string cat(const A&... a) {
+  std::string s;
+  (append(s, a), ...);
+  return s;
+}
+
+#define KVQ_CHECK(op, cond, ...) TORCH_CHECK_VALUE(cond, ::kvq_torch::cat("kvq.", op, ": ", __VA_ARGS__))
 
 inline std::string shape_str(const at::Tensor& t) {
   std::string s = "[";
