@@ -14,7 +14,7 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         pages = 40
         kc, ks = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
         vc, vs = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
-        n = 50
+        n = 30  # at most the 40 slots of the smallest cache (page size 1)
         key = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=dev)
         value = torch.randn_like(key)
         slots = torch.randperm(pages * page_size, device=dev)[:n]

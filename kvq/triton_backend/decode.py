@@ -11,7 +11,9 @@ Two launches, both sized from shapes only (no host sync, so CUDA graphs can capt
    sequence; it loads each K/V tile once (int8/e4m3 bytes plus fp16 scales), dequantizes it in registers
    to fp16 (``_common.dequant_f16``: no int->float conversion instructions, which would bound the kernel
    below memory bandwidth), and keeps an fp32 online softmax. It writes its unnormalised partial output
-   and (max, sum).
+   and (max, sum). With an 8-bit cache and ``_SCALE_AFTER_DOT`` set, ``_decode_split_sad`` runs instead: it
+   feeds each [BLOCK_N, 32] block of codes to its own dot through one cast and applies the scales to the
+   fp32 scores and to P (see its docstring).
 2. ``_decode_merge``, grid ``[batch, num_q_heads]``: combines the partials.
 """
 
@@ -23,10 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, dequant_f16,
-                      has_e4m3_cvt, page_of, scores, softmax_step, upcast)
+from ._common import (_I8_TO_F16, FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim,
+                      dequant, dequant_f16, has_e4m3_cvt, page_of, scores, softmax_step, upcast)
 
 _LOG2E = 1.4426950408889634
+
+# 8-bit caches: apply the per-32 scales to the dot products (scores) and to P (values) instead of to every
+# loaded element, so each raw tile reaches tl.dot through a single cast (True, or 1); 2 does so for the scores
+# only and dequantizes the values; False (0) dequantizes both before the dots. On an H200 (B=1, 128k tokens,
+# 32/8 heads, d128) mode 2 ran in 164 us, mode 1 in 200 us and mode 0 in 214 us, hence the default.
+_SCALE_AFTER_DOT = 2
 
 
 @triton.jit
@@ -106,6 +114,131 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
 
 
 @triton.jit
+def _codes(ptrs, keep, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
+    """A ``[BLOCK_N, 32]`` tile of 8-bit codes as exact fp16 values (fp32 under the interpreter). Without the
+    e4m3 convert instruction the bits land in an fp16 as the value times 2^-8; the caller folds the 2^8 into
+    the scale."""
+    raw = tl.load(ptrs, mask=keep, other=0)
+    if INTERP:
+        return dequant(raw, tl.full([1, 1], 1.0, tl.float32), FMT)
+    elif FMT == 1:
+        return tl.inline_asm_elementwise(_I8_TO_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    elif E4M3_CVT:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        b = raw.to(tl.int16)
+        return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, vs_ptr, bt_ptr, sbt_b, len_ptr,
+                      acc_ptr, ml_ptr, num_splits, qk_scale, window_left, softcap, num_pages, max_len,
+                      PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr,
+                      INTERP: tl.constexpr, E4M3_CVT: tl.constexpr, V_AFTER: tl.constexpr):
+    """``_decode_split`` for an 8-bit cache with the scales applied after the dots: per 32-column block b,
+    ``S += (Q_b @ codes(K_b)^T) * kscale_b`` and ``acc_b += fp16(P * vscale_b / c_b) @ codes(V_b) * c_b``.
+    Every code and scale is exact in fp16 and every product and sum is fp32, but the roundings differ from
+    dequantize-then-dot (fp16(P * vscale) instead of fp16(P) and fp16(code * scale)). ``c_b``, the tile's
+    largest scale of block b, keeps ``P * vscale`` clear of fp16 subnormals (and of overflow) whatever the
+    scales' magnitude. ``V_AFTER`` False keeps the scale-after-dot for the scores only and dequantizes each
+    [BLOCK_N, 32] value tile to fp16 as ``dequant_f16`` does (one P conversion per tile, no per-block max)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    NB: tl.constexpr = D // 32
+    # The e4m3 bit path yields code * 2^-8 (see _codes); the 2^8 rides on the fp32 scale, exactly.
+    SCALE_MUL: tl.constexpr = 256.0 if (FMT == 2 and not E4M3_CVT and not INTERP) else 1.0
+
+    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_len)
+    lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    stop = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, GP)
+    e = tl.arange(0, 32)
+    rows = h * G + g
+    q_row = q_ptr + b * sq_b + rows[:, None] * sq_h + e[None, :]
+    # Triton cannot index a tensor's columns dynamically: the query and the accumulator are kept as NB
+    # [GP, 32] blocks (tuples, unrolled with static_range).
+    qs = ()
+    accs = ()
+    for bb in tl.static_range(NB):
+        qb = tl.load(q_row + bb * 32, mask=(g < G)[:, None], other=0.0)
+        if INTERP:
+            qb = upcast(upcast(qb, INTERP).to(tl.float16), INTERP)
+        else:
+            qb = qb.to(tl.float16)
+        qs = qs + (qb,)
+        accs = accs + (tl.zeros([GP, 32], tl.float32),)
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        page, keep = page_of(bt_ptr + b * sbt_b, n, n < stop, num_pages, PAGE_SIZE)
+        off = (n % PAGE_SIZE)[:, None]
+        k_row = kc_ptr + (page * sk_page + off * (HKV * D) + h * D) + e[None, :]  # [BLOCK_N, 32]
+        v_row = vc_ptr + (page * sv_page + off * (HKV * D) + h * D) + e[None, :]
+        slot = tl.reshape(page, (BLOCK_N,)) * PAGE_SIZE + n % PAGE_SIZE
+        # The tile's scales, [BLOCK_N, NB]: rows of NB contiguous fp16 that the pipeliner can copy asynchronously;
+        # a column is picked with a sum that stays within a thread.
+        nb = tl.arange(0, NB)[None, :]
+        s_off = (slot * (HKV * NB) + h * NB)[:, None] + nb
+        ks = tl.load(ks_ptr + s_off, mask=keep[:, None], other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + s_off, mask=keep[:, None], other=0.0).to(tl.float32)
+
+        s = tl.zeros([GP, BLOCK_N], tl.float32)
+        for bb in tl.static_range(NB):
+            kb = _codes(k_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
+            ksb = tl.sum(tl.where(nb == bb, ks, 0.0), axis=1) * SCALE_MUL
+            s += tl.dot(qs[bb], tl.trans(kb)) * ksb[None, :]
+        s = tl.where(keep[None, :], scores(s, qk_scale, softcap, SOFTCAP), float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        if V_AFTER:
+            # One cross-warp reduction for all blocks; a block's max is then picked within a warp.
+            c_all = tl.max(vs, axis=0)[None, :]  # [1, NB]
+            c_all = tl.where(c_all > 0.0, c_all, 1.0)
+        else:
+            pv16 = cast(p, tl.float16, INTERP)
+            if INTERP:
+                pv16 = upcast(pv16, INTERP)
+        new_accs = ()
+        for bb in tl.static_range(NB):
+            vb = _codes(v_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
+            vsb = tl.sum(tl.where(nb == bb, vs, 0.0), axis=1)
+            if V_AFTER:
+                c = tl.max(tl.max(tl.where(nb == bb, c_all, 0.0), axis=1), axis=0)
+                pb = (p * (vsb * (1.0 / c))[None, :]).to(tl.float16)
+                if INTERP:
+                    pv = tl.dot(upcast(pb, INTERP), vb)
+                else:
+                    pv = tl.dot(pb, vb)
+                new_accs = new_accs + (accs[bb] * alpha[:, None] + pv * (c * SCALE_MUL),)
+            else:
+                # Dequantize-then-dot numerics for the values: fp16(code * scale), as dequant_f16.
+                if INTERP:
+                    vb = (vb * (vsb * SCALE_MUL)[:, None]).to(tl.float16).to(tl.float32)
+                else:
+                    vb = vb * (vsb * SCALE_MUL).to(tl.float16)[:, None]
+                new_accs = new_accs + (accs[bb] * alpha[:, None] + tl.dot(pv16, vb),)
+        accs = new_accs
+
+    part = (b * (HKV * G) + rows) * num_splits + split
+    for bb in tl.static_range(NB):
+        tl.store(acc_ptr + part[:, None] * D + bb * 32 + e[None, :], accs[bb], mask=(g < G)[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=g < G)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=g < G)
+
+
+@triton.jit
 def _decode_merge(acc_ptr, ml_ptr, out_ptr, so_b, so_h, num_splits, HQ: tl.constexpr, D: tl.constexpr,
                   SP: tl.constexpr, INTERP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -130,29 +263,35 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _config(query, k_cache, max_len):
+def _config(query, k_cache, max_len, scale_after_dot=None):
     """(BLOCK_N, num_splits, num_warps, num_stages), from shapes only.
 
     Splits: enough programs for several resident CTAs per SM (the work per program is uniform, so a large
-    count also makes the last wave short); the 8-bit path does more arithmetic per byte, so it wants more
-    CTAs in flight than the unquantized one (a sweep on an H200 at 128k tokens, with an earlier version of
-    the 8-bit dequantization, favoured 8 vs 4 per SM).
+    count also makes the last wave short). Dequantize-then-dot does more arithmetic per byte, so it wants
+    more CTAs in flight than the unquantized path (a sweep on an H200 at 128k tokens, with an earlier version
+    of the 8-bit dequantization, favoured 8 vs 4 per SM). The scale-after-dot path feeds its [BLOCK_N, 32]
+    tiles to the dots like the unquantized path feeds its tiles, so it starts from the unquantized path's
+    settings; its tiles are 32 columns whatever head_dim, so BLOCK_N 64 also suits head_dim 256.
     """
     batch, _, d = query.shape
     hkv = k_cache.shape[2]
     if INTERPRET:
         # Small tiles and several splits so short test sequences cross tile, page and split boundaries.
         return 16, max(1, min(4, triton.cdiv(max_len, 16))), 4, 1
-    block_n = 64 if d <= 128 else 32
+    sad = _SCALE_AFTER_DOT if scale_after_dot is None else scale_after_dot
+    plain = cache_format(k_cache) == FMT_PLAIN
+    block_n = 64 if d <= 128 or (sad and not plain) else 32
     sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
-    per_sm = 4 if cache_format(k_cache) == FMT_PLAIN else 8
+    per_sm = 4 if plain or sad else 8
     splits = max(1, min(round(per_sm * sms / (batch * hkv)), triton.cdiv(max_len, block_n), 256))
-    return block_n, splits, 4, 3 if d <= 128 else 2
+    return block_n, splits, 4, 3 if d <= 128 or (sad and not plain) else 2
 
 
 def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, window_left,
                      logit_softcap, out, *, config=None) -> None:
-    """Shapes and semantics: :func:`kvq.ops.decode_attention`. ``config`` overrides :func:`_config` (tuning)."""
+    """Shapes and semantics: :func:`kvq.ops.decode_attention`. ``config`` overrides :func:`_config` (tuning):
+    ``(BLOCK_N, num_splits, num_warps, num_stages)``, optionally followed by a ``_SCALE_AFTER_DOT`` value for
+    8-bit caches."""
     batch, hq, d = query.shape
     check_head_dim("decode_attention", d)
     if batch == 0:
@@ -160,17 +299,22 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     max_len = block_table.shape[1] * page_size
-    block_n, splits, warps, stages = config or _config(query, k_cache, max_len)
+    mode = int(_SCALE_AFTER_DOT if config is None or len(config) < 5 else config[4])
+    if mode not in (0, 1, 2):
+        raise ValueError(f"kvq.decode_attention: scale-after-dot mode must be 0, 1 or 2, got {mode}")
+    block_n, splits, warps, stages = config[:4] if config else _config(query, k_cache, max_len, bool(mode))
     fmt = cache_format(k_cache)
+    sad = mode != 0 and fmt != FMT_PLAIN
+    kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1)) if sad else (_decode_split, {})
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
     acc = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=query.device)
     ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=query.device)
-    _decode_split[(batch, hkv, splits)](
+    kernel[(batch, hkv, splits)](
         query, query.stride(0), query.stride(1), kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs,
         block_table, block_table.stride(0), seq_lens.contiguous(), acc, ml, splits, sm_scale * _LOG2E, window_left,
         float(logit_softcap), k_cache.shape[0], max_len, PAGE_SIZE=page_size, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
         BLOCK_N=block_n, FMT=fmt, SOFTCAP=logit_softcap > 0, INTERP=INTERPRET,
-        E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages)
+        E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages, **extra)
     _decode_merge[(batch, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
                                SP=triton.next_power_of_2(splits), INTERP=INTERPRET)

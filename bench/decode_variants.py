@@ -1,0 +1,181 @@
+"""Triton decode: bf16 vs q8_0 vs fp8_e4m3, each 8-bit format with dequantize-then-dot and scale-after-dot
+(for keys and values, or for keys only).
+
+    PYTHONPATH=. python bench/decode_variants.py [--out results.json] [--no-extra]
+
+Times are GPU times of CUDA-graph replays: one graph calls the kernel once per cache copy, over copies of
+the cache totalling at least 240 MB (four times an H200's L2), and the time is the median of 25 replays
+divided by the number of copies. The floor is (bytes of K, V and scales read) / (bandwidth of a
+device-to-device ``copy_`` of a 1 GiB buffer, read + write bytes), measured first. Unless ``--no-extra``,
+the scale-after-dot variants are also timed with a few alternative BLOCK_N / split settings at B=1 128k and
+B=8 32k (marked ``*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import triton
+
+from kvq.triton_backend import decode as tdec
+
+PAGE = 16
+FORMATS = {"bf16": torch.bfloat16, "q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# (batch, tokens, query heads, kv heads, head_dim)
+CASES = [(1, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (8, 32768, 32, 8, 128),
+         (1, 32768, 16, 2, 256), (1, 32768, 9, 3, 64)]
+EXTRA_CASES = {(1, 131072, 32, 8, 128), (8, 32768, 32, 8, 128)}
+ROTATION_BYTES = 240e6
+# kvq.triton_backend.decode._SCALE_AFTER_DOT values: 0 dequantize-then-dot, 1 scales after the dots for keys
+# and values, 2 for keys only.
+MODES = [(0, "dequant"), (1, "sad-kv"), (2, "sad-k")]
+REPLAYS = 25
+
+
+def median_ms(fn, replays=REPLAYS) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), replays=30)
+    return 2 * n / (ms * 1e-3)
+
+
+def kv_bytes(fmt, batch, length, hkv, d) -> int:
+    return int(2 * batch * length * hkv * d * (2.0 if fmt == "bf16" else 1.0 + 2.0 / 32))
+
+
+def make(fmt, batch, length, hq, hkv, d, copies):
+    """One pool holding ``copies`` disjoint sets of pages in random order, and one block table per set."""
+    pages_per = math.ceil(length / PAGE)
+    num_pages = copies * batch * pages_per
+    dt = FORMATS[fmt]
+    shape = (num_pages, PAGE, hkv, d)
+    if dt == torch.bfloat16:
+        kc = torch.randn(shape, device="cuda", dtype=dt)
+        vc = torch.randn(shape, device="cuda", dtype=dt)
+        ks = vs = None
+    else:
+        raw = torch.randint(-127, 128, (2, *shape), device="cuda", dtype=torch.int8)
+        if dt == torch.float8_e4m3fn:
+            raw &= 0x77  # keep clear of the e4m3 NaN code
+        kc, vc = raw[0].view(dt), raw[1].view(dt)
+        ks = torch.rand(num_pages, PAGE, hkv, d // 32, device="cuda").half() * 0.02
+        vs = torch.rand_like(ks) * 0.02
+    perm = torch.randperm(num_pages, device="cuda", dtype=torch.int64).int()
+    tables = perm.view(copies, batch, pages_per)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    return q, kc, vc, ks, vs, tables, seq_lens
+
+
+def time_graph(data, config) -> float:
+    """Median us per decode call, from CUDA-graph replays rotating over the cache copies."""
+    q, kc, vc, ks, vs, tables, seq_lens = data
+    out = torch.empty_like(q)
+    d = q.shape[-1]
+
+    def call(i):
+        tdec.decode_attention(q, kc, vc, ks, vs, tables[i], seq_lens, d ** -0.5, -1, 0.0, out, config=config)
+
+    call(0)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(tables.shape[0]):
+            call(i)
+    return median_ms(graph.replay) / tables.shape[0] * 1e3
+
+
+def variants(fmt, case, extra):
+    """(label, config, is_default): configs are the wrapper's ``config`` override."""
+    batch, length, hq, hkv, d = case
+    q = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    kc = torch.empty(1, PAGE, hkv, d, device="cuda", dtype=FORMATS[fmt])
+    max_len = math.ceil(length / PAGE) * PAGE
+    if fmt == "bf16":
+        return [("plain", tuple(tdec._config(q, kc, max_len)), True)]
+    out = []
+    for mode, name in MODES:
+        cfg = tuple(tdec._config(q, kc, max_len, bool(mode)))
+        out.append((name, cfg + (mode,), True))
+        if extra and mode:
+            bn, sp, w, st = cfg
+            alts = [(bn, 2 * sp, w, st), (bn, max(1, sp // 2), w, st)]  # splits are a runtime argument: no compile
+            if fmt == "q8_0":
+                alts += [(32, sp, w, st), (128, sp, w, 2)]
+            for a in alts:
+                a = (a[0], min(a[1], triton.cdiv(max_len, a[0]))) + a[2:]
+                if a != cfg:
+                    out.append((name, a + (mode,), False))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-extra", action="store_true", help="time the default settings only")
+    ap.add_argument("--budget-s", type=float, default=80.0, help="skip the extra settings after this many seconds")
+    args = ap.parse_args()
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"{dev}; triton {triton.__version__}, torch {torch.__version__}; default scale-after-dot "
+          f"{tdec._SCALE_AFTER_DOT}")
+    print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    # Every default setting first; the alternative settings then, while the time budget lasts.
+    for extra in (False, True):
+        for case in (CASES if not extra else [c for c in CASES if c in EXTRA_CASES]):
+            if extra and (args.no_extra or time.time() - t0 > args.budget_s):
+                break
+            batch, length, hq, hkv, d = case
+            for fmt in FORMATS:
+                todo = [(n, c) for n, c, default in variants(fmt, case, extra) if default != extra]
+                if not todo:
+                    continue
+                nbytes = kv_bytes(fmt, batch, length, hkv, d)
+                copies = max(2, math.ceil(ROTATION_BYTES / nbytes))
+                data = make(fmt, batch, length, hq, hkv, d, copies)
+                floor_us = nbytes / bw * 1e6
+                for name, cfg in todo:
+                    if extra and time.time() - t0 > args.budget_s:
+                        break
+                    try:
+                        us = time_graph(data, cfg)
+                    except Exception as e:  # a setting that does not compile or fit is reported, not fatal
+                        print(f"  {fmt} {name} cfg={cfg}: failed: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    rows.append(dict(batch=batch, length=length, hq=hq, hkv=hkv, d=d, fmt=fmt, variant=name,
+                                     config=list(cfg[:4]), default=not extra, us=us, floor_us=floor_us,
+                                     frac=floor_us / us))
+                    print(f"B={batch} L={length:6d} {hq:2d}/{hkv} d{d:3d} {fmt:8s} {name:8s}{'*' if extra else ' '}"
+                          f"cfg={cfg[:4]}: {us:8.1f} us  floor {floor_us:7.1f} us  {100 * floor_us / us:5.1f}%",
+                          flush=True)
+                del data
+                torch.cuda.empty_cache()
+    print(f"total {time.time() - t0:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=dev, copy_bw=bw, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
