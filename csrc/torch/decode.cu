@@ -2,12 +2,19 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "kvq/decode.cuh"
+#include <atomic>
+
+#include "kvq/decode_tc.cuh"
 #include "ops.h"
 
 using namespace kvq_torch;
 
 namespace {
+std::atomic<int> g_decode_kernel{0};
+// GQA groups from this size up use the tensor-core kernel. On an H200 it beat the FMA kernel at every
+// group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
+constexpr int kTensorCoreGroup = 1;
+
 int sm_count(int device) {
   static int cached[64] = {0};
   if (device < 0 || device >= 64) return 132;
@@ -19,6 +26,8 @@ int sm_count(int device) {
   return cached[device];
 }
 }  // namespace
+
+int kvq_set_decode_kernel(int choice) { return g_decode_kernel.exchange(choice); }
 
 void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, head_dim] bf16/fp16
                            const at::Tensor& k_cache, // [num_pages, page_size, num_kv_heads, head_dim]
@@ -90,13 +99,20 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   p.format = to_format(k_cache.scalar_type());
   p.dtype = to_dtype(query.scalar_type());
 
-  const int warps = kvq::decode_warps(p.format, p.dtype, p.head_dim);
+  const int choice = g_decode_kernel.load();
+  const bool tc = choice == 2 || (choice == 0 && hq / c.num_kv_heads >= kTensorCoreGroup);
+  // Partials per split: the tensor-core kernel combines its warps in the CTA, the FMA kernel in the merge.
+  const int warps = tc ? 1 : kvq::decode_warps(p.format, p.dtype, p.head_dim);
   const int64_t max_tokens = std::min<int64_t>(block_table.size(1) * c.page_size, INT32_MAX);
-  p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), warps,
-                                        sm_count(dev.index()));
+  // The fewest tokens worth a split: four tiles per warp (tensor cores; 512 or 1024 made short contexts
+  // slower on an H200), two chunks per warp (FMA).
+  const int min_span = tc ? 4 * kvq::decode_tc::kTile * 4 : 2 * warps * kvq::detail::kChunkTokens;
+  const int slots = sm_count(dev.index()) * (tc ? kvq::decode_tc_ctas_per_sm(p) : 2);
+  p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), min_span, slots);
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));
   p.workspace = ws.data_ptr<float>();
-  const cudaError_t e = kvq::decode_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const cudaError_t e = tc ? kvq::decode_attention_tc(p, stream) : kvq::decode_attention(p, stream);
   TORCH_CHECK(e == cudaSuccess, "kvq.decode_attention: kernel launch failed: ", cudaGetErrorString(e));
 }

@@ -2,6 +2,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "ops.h"
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
@@ -15,7 +17,20 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
 
 static PyObject* cuda_archs(PyObject*, PyObject*) { return PyUnicode_FromString(kvq_cuda_archs()); }
 
+static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
+  const char* names[] = {"auto", "fma", "tc"};
+  const char* want = PyUnicode_AsUTF8(arg);
+  if (want == nullptr) return nullptr;
+  for (int i = 0; i < 3; ++i) {
+    if (std::string(want) == names[i]) return PyUnicode_FromString(names[kvq_set_decode_kernel(i)]);
+  }
+  PyErr_Format(PyExc_ValueError, "decode kernel must be 'auto', 'fma' or 'tc', got '%s'", want);
+  return nullptr;
+}
+
 static PyMethodDef kMethods[] = {
+    {"set_decode_kernel", set_decode_kernel, METH_O,
+     "Choose the CUDA decode kernel: 'auto' (by GQA group size), 'fma' or 'tc' (tensor cores); returns the previous."},
     {"cuda_archs", cuda_archs, METH_NOARGS, "The CUDA architectures compiled in, e.g. '8.9;9.0;12.0'."},
     {nullptr, nullptr, 0, nullptr},
 };

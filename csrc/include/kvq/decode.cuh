@@ -100,6 +100,23 @@ __device__ __forceinline__ void load_words(const unsigned char* p, uint32_t* w) 
   }
 }
 
+// The paged layout as the decode kernels see it (values are addressed through byte offsets).
+template <typename S, int HD>
+__device__ __forceinline__ paged_kv_t<S> decode_cache(const DecodeParams& p) {
+  paged_kv_t<S> c;
+  c.num_pages = p.num_pages;
+  c.page_size = p.page_size;
+  c.num_kv_heads = p.num_kv_heads;
+  c.head_dim = HD;
+  c.k_stride_page = p.k_stride_page;
+  c.v_stride_page = p.v_stride_page;
+  c.block_table = p.block_table;
+  c.block_table_stride = p.block_table_stride;
+  c.max_pages = p.max_pages;
+  c.lengths = p.seq_lens;
+  return c;
+}
+
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32.
 template <typename S, int HD, int GMAX>
 __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
@@ -121,17 +138,7 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads;
 
-  paged_kv_t<S> cache;
-  cache.num_pages = p.num_pages;
-  cache.page_size = p.page_size;
-  cache.num_kv_heads = p.num_kv_heads;
-  cache.head_dim = HD;
-  cache.k_stride_page = p.k_stride_page;
-  cache.v_stride_page = p.v_stride_page;
-  cache.block_table = p.block_table;
-  cache.block_table_stride = p.block_table_stride;
-  cache.max_pages = p.max_pages;
-  cache.lengths = p.seq_lens;
+  const paged_kv_t<S> cache = decode_cache<S, HD>(p);
 
   // Queries of this kv head, scaled so that q . k is the logit in log2 units (or in natural units
   // when a softcap must see it).
@@ -348,9 +355,11 @@ __global__ void decode_merge_kernel(DecodeParams p, int parts) {
   const float* ml = p.workspace + row * 2;
   const float* acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2 + row * p.head_dim;
   float mx = -INFINITY;
+#pragma unroll 8
   for (int i = 0; i < parts; ++i) mx = nanmax(mx, ml[2 * i]);
   float L = 0.0f, o = 0.0f;
   if (mx != -INFINITY) {  // else no key was visible (seq_len 0): the output is 0
+#pragma unroll 8  // independent loads in flight: a long split list must not serialize on their latency
     for (int i = 0; i < parts; ++i) {
       const float mi = ml[2 * i];
       if (mi == -INFINITY) continue;
@@ -377,13 +386,13 @@ inline int decode_warps(Format format, DType dtype, int head_dim) {
   return e == cudaSuccess ? warps : 0;
 }
 
-// Splits along the sequence, from shapes only (graph-safe): enough CTAs to fill the GPU about twice,
-// but no split shorter than two chunks per warp of the longest sequence the block table can hold.
-inline int decode_num_splits(int batch, int num_kv_heads, int max_tokens, int warps, int num_sms) {
+// Splits along the sequence, from shapes only (graph-safe): as many CTAs as the GPU holds at once
+// (slots = SMs x CTAs per SM), but no split shorter than min_span tokens of the longest sequence the
+// block table can hold.
+inline int decode_num_splits(int batch, int num_kv_heads, int max_tokens, int min_span, int slots) {
   const int ctas = batch * num_kv_heads;
-  if (ctas <= 0 || warps <= 0) return 1;
-  const int want = (2 * num_sms + ctas - 1) / ctas;
-  const int min_span = 2 * warps * detail::kChunkTokens;
+  if (ctas <= 0 || min_span <= 0) return 1;
+  const int want = slots / ctas;
   const int cap = (max_tokens + min_span - 1) / min_span;
   return std::max(1, std::min(want, std::min(cap, 256)));
 }

@@ -1,0 +1,536 @@
+// decode_attention on tensor cores: the query heads of one kv head are the M rows of mma.sync.m16n8k16.
+//
+// Same flash-decoding plan as decode.cuh (a CTA owns (sequence, kv head, split); each warp walks its own
+// 16-token tiles with its own softmax state; a merge kernel combines the partials), but the dot products
+// run on tensor cores, so the arithmetic no longer competes with the loads. Per tile and warp:
+//   S[16 x 16] = Q[16 x HD] K^T   (16 rows = the GQA group, zero-padded; 2 n-tiles of 8 tokens)
+//   O[16 x HD] += P[16 x 16] V    (16 tokens = the k of one mma)
+// K and V are dequantized in registers, on their way from shared memory into the mma operands, to exactly
+// what the same-precision reference uses: T(q * scale), rounded once to the query dtype T. Neither needs a
+// transposing copy: the order of the reduction dimension of Q K^T (head_dim) is free, so each thread reads
+// whole 16-byte chunks of a key row and Q's fragments are laid out to match; for P V each thread reads one
+// 8-byte word of four token rows and interleaves their bytes with PRMT (the output columns it holds are
+// permuted the same way, and written back to their true positions).
+//
+// Raw rows and scales travel by cp.async into a warp-private ring of kStages tiles (no block barrier in the
+// loop). Key rows are XOR-swizzled and value rows padded by 16 bytes, so that the fragment loads of a warp
+// are free of bank conflicts.
+#pragma once
+
+#include "decode.cuh"
+#include "tc.cuh"
+
+namespace kvq {
+namespace decode_tc {
+
+using namespace ::kvq::tc;
+
+constexpr int kTile = 16;  // tokens per warp iteration
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename S, int HD>
+struct Cfg {
+  static constexpr bool kQuant = StorageTraits<S>::kQuantized;
+  static constexpr int kRowBytes = HD * static_cast<int>(sizeof(S));
+  static constexpr int kNC = kRowBytes / 16;  // 16-byte chunks per row
+  static constexpr int kCE = 16 / static_cast<int>(sizeof(S));  // elements per chunk
+  static constexpr int kKPC = kCE / 4;  // QK k-steps fed by one chunk
+  // Unquantized key rows are read in 16-byte chunks (XOR-swizzled); 8-bit key rows in 8-byte words, one
+  // 32-element block per 4 threads, which a 32-byte pad keeps free of bank conflicts.
+  static constexpr bool kSwizzle = !kQuant && kNC >= 8;
+  static constexpr int kKStride = kQuant ? kRowBytes + 32 : kRowBytes;
+  using QK = std::conditional_t<kQuant, __half, void>;  // mma type of Q K^T for 8-bit keys (T otherwise)
+  static constexpr int kVStride = kRowBytes + 16;
+  static constexpr int kNB = HD / kBlock;
+  static constexpr int kScaleBytes = kQuant ? kNB * 2 : 0;  // per row
+  static constexpr int kKOff = 0;
+  static constexpr int kVOff = kTile * kKStride;
+  static constexpr int kKSOff = kVOff + kTile * kVStride;
+  static constexpr int kVSOff = kKSOff + kTile * kScaleBytes;
+  static constexpr int kMaskOff = kVSOff + kTile * kScaleBytes;
+  static constexpr int kStageBytes = kMaskOff + 16;
+  // At most 72 KB per CTA, so that three CTAs share an H100/H200 SM (and one fits the 99 KB of sm_89 and
+  // sm_120), with at least two stages per warp.
+  static constexpr int kWarps = 4 * 2 * kStageBytes <= 72 * 1024 ? 4 : 2;
+  static constexpr int kStages = std::min(4, 72 * 1024 / (kWarps * kStageBytes));
+  static constexpr int kRing = kWarps * kStages * kStageBytes;
+  // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
+  static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
+  static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
+  static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
+  static_assert(kStages >= 2, "decode_tc: a tile does not fit twice");
+};
+
+// Element j of two value rows' 8-byte words (tokens a and b), times each token's scale, as T pairs (a, b).
+template <typename T, typename S>
+__device__ __forceinline__ void value_pairs(uint2 wa, uint2 wb, uint16_t sa, uint16_t sb,
+                                            uint32_t (&out)[8 / sizeof(S)]) {
+  const uint32_t a[2] = {wa.x, wa.y}, b[2] = {wb.x, wb.y};
+  if constexpr (!StorageTraits<S>::kQuantized) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      out[2 * x] = __byte_perm(a[x], b[x], 0x5410);
+      out[2 * x + 1] = __byte_perm(a[x], b[x], 0x7632);
+    }
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const uint32_t s2bits = uint32_t(sa) | (uint32_t(sb) << 16);
+    const __half2 s2 = *reinterpret_cast<const __half2*>(&s2bits);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      __half2 h[4];
+      if constexpr (std::is_same_v<S, int8_t>) {
+        const uint32_t ua = a[x] ^ 0x80808080u, ub = b[x] ^ 0x80808080u;
+        const uint32_t t01 = __byte_perm(ua, ub, 0x5140), t23 = __byte_perm(ua, ub, 0x7362);
+        h[0] = int8x2_to_half2(t01, 0x4140u);
+        h[1] = int8x2_to_half2(t01, 0x4342u);
+        h[2] = int8x2_to_half2(t23, 0x4140u);
+        h[3] = int8x2_to_half2(t23, 0x4342u);
+      } else {
+        const uint32_t t01 = __byte_perm(a[x], b[x], 0x5140), t23 = __byte_perm(a[x], b[x], 0x7362);
+        h[0] = e4m3x2_to_half2(uint16_t(t01 & 0xFFFFu));
+        h[1] = e4m3x2_to_half2(uint16_t(t01 >> 16));
+        h[2] = e4m3x2_to_half2(uint16_t(t23 & 0xFFFFu));
+        h[3] = e4m3x2_to_half2(uint16_t(t23 >> 16));
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __half2 v = __hmul2(h[j], s2);  // exact product, one rounding: fp16(q * scale)
+        out[4 * x + j] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+    }
+  } else {
+    const float fsa = scale_to_float(sa), fsb = scale_to_float(sb);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      float fa[4], fb[4];
+      unpack_raw<S, 4>(&a[x], fa);
+      unpack_raw<S, 4>(&b[x], fb);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[4 * x + j] = pack2<T>(fa[j] * fsa, fb[j] * fsb);  // exact product, one rounding
+    }
+  }
+}
+
+// Eight 8-bit values (one 8-byte word) to their exact values (no scale) as four fp16 pairs, in order.
+template <typename S>
+__device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
+  const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    __half2 lo, hi;
+    if constexpr (std::is_same_v<S, int8_t>) {
+      const uint32_t u = w[x] ^ 0x80808080u;
+      lo = int8x2_to_half2(u, 0x7170u);
+      hi = int8x2_to_half2(u, 0x7372u);
+    } else {
+      lo = e4m3x2_to_half2(uint16_t(w[x] & 0xFFFFu));
+      hi = e4m3x2_to_half2(uint16_t(w[x] >> 16));
+    }
+    h[2 * x] = *reinterpret_cast<const uint32_t*>(&lo);
+    h[2 * x + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+  }
+}
+
+// grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
+template <typename S, typename T, int HD, int GMAX>
+__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __grid_constant__ DecodeParams p) {
+  using C = Cfg<S, HD>;
+  constexpr bool kQuant = C::kQuant;
+  constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
+  constexpr int kRows = kRows2 ? 2 : 1;
+  constexpr int KS = HD / 16;        // k-steps of Q K^T
+  constexpr int NT = HD / 8;         // n-tiles of P V
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;
+  unsigned char* ring = smem + warp * C::kStages * C::kStageBytes;
+
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const paged_kv_t<S> cache = detail::decode_cache<S, HD>(p);
+
+  // Q fragments, head_dim permuted as the keys are read (see the QK loop). For 8-bit keys the scores are
+  // sum over blocks of scale_block * (q . raw_block) on fp16 tensor cores: each row of q is multiplied by a
+  // power of two that brings its largest element into [2^14, 2^15) (exact for bf16 and fp16 queries), and
+  // the score is multiplied back in fp32.
+  using QT = std::conditional_t<kQuant, __half, T>;
+  uint32_t qa[KS][kRows2 ? 4 : 2];
+  float qs[kRows];  // per row: sm_scale (* log2 e) / the row's power of two
+  const bool softcap = p.logit_softcap > 0.0f;
+  const float qscale = softcap ? p.sm_scale : p.sm_scale * kLog2e;
+  {
+    const T* q = static_cast<const T*>(p.query);
+    auto qval = [&](int row, int e) -> float {
+      return row < G ? to_float(q[b * p.q_stride_batch + (kvh * G + row) * p.q_stride_head + e]) : 0.0f;
+    };
+    // Element e0 of k-step ks for this thread (elements e0, e0 + 1 as k = 2 tig, 2 tig + 1; e0 + 2, e0 + 3
+    // as k = 2 tig + 8, 2 tig + 9).
+    auto e0_of = [&](int ks) {
+      return kQuant ? 32 * (ks / 2) + 8 * tig + 4 * (ks % 2)
+                    : C::kCE * (4 * (ks / C::kKPC) + tig) + 4 * (ks % C::kKPC);
+    };
+    int shift[kRows];
+#pragma unroll
+    for (int h = 0; h < kRows; ++h) {
+      float amax = 0.0f;
+      if constexpr (kQuant) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(qval(gid + 8 * h, e0_of(ks) + e)));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      }
+      int ex = 0;
+      if (amax > 0.0f && amax <= 3.4e38f) frexpf(amax, &ex);  // amax in [2^(ex-1), 2^ex)
+      shift[h] = kQuant ? min(max(15 - ex, -120), 100) : 0;
+      qs[h] = ldexpf(qscale, -shift[h]);
+    }
+    auto qpair = [&](int h, int e) -> uint32_t {
+      const int row = gid + 8 * h;
+      __align__(4) QT v[2] = {from_float<QT>(ldexpf(qval(row, e), shift[h])),
+                              from_float<QT>(ldexpf(qval(row, e + 1), shift[h]))};
+      return *reinterpret_cast<const uint32_t*>(v);
+    };
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const int e0 = e0_of(ks);
+      if constexpr (kRows2) {
+        qa[ks][0] = qpair(0, e0);
+        qa[ks][1] = qpair(1, e0);
+        qa[ks][2] = qpair(0, e0 + 2);
+        qa[ks][3] = qpair(1, e0 + 2);
+      } else {
+        qa[ks][0] = qpair(0, e0);
+        qa[ks][1] = qpair(0, e0 + 2);
+      }
+    }
+  }
+
+  // This split's token range within the visible keys [start, L), in whole tiles.
+  const int L = cache.length(b);
+  const int start = p.window_left >= 0 ? max(0, L - 1 - p.window_left) : 0;
+  const int n = L - start;
+  const int span = ((n + p.num_splits - 1) / p.num_splits + kTile - 1) / kTile * kTile;
+  const int begin = min(L, start + split * span);
+  const int end = min(L, begin + span);
+  const int first = begin + warp * kTile;
+  const int step = C::kWarps * kTile;
+  const int num_tiles = end > first ? (end - first + step - 1) / step : 0;
+
+  const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
+  const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);
+
+  // Copies of tile c (tokens first + c * step + [0, 16)) into stage c % kStages, and its validity mask.
+  auto issue = [&](int c) {
+    unsigned char* st = ring + (c % C::kStages) * C::kStageBytes;
+    const uint32_t st_addr = smem_addr(st);
+    const int r0 = lane % kTile;
+    const int t = first + c * step + r0;
+    int64_t page = -1;
+    int off = 0;
+    if (t < end) {
+      page = cache.page_of(b, t);
+      off = t % p.page_size;
+    }
+    const bool ok = page >= 0;
+    const uint32_t valid = __ballot_sync(0xffffffffu, ok) & 0xFFFFu;
+    if (lane == 0) *reinterpret_cast<uint32_t*>(st + C::kMaskOff) = valid;
+    const int64_t kofs = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+    const int64_t vofs = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+#pragma unroll
+    for (int i = 0; i < kTile * C::kNC / 32; ++i) {
+      const int idx = i * 32 + lane;
+      const int r = idx / C::kNC, piece = idx % C::kNC;
+      const int64_t ko = __shfl_sync(0xffffffffu, kofs, r);
+      const int64_t vo = __shfl_sync(0xffffffffu, vofs, r);
+      const int bytes = (valid >> r) & 1 ? 16 : 0;
+      const int kphys = C::kSwizzle ? piece ^ ((r & 1) << 2) : piece;
+      cp_async16(st_addr + C::kKOff + r * C::kKStride + kphys * 16, kbase + ko + piece * 16, bytes);
+      cp_async16(st_addr + C::kVOff + r * C::kVStride + piece * 16, vbase + vo + piece * 16, bytes);
+    }
+    if constexpr (kQuant) {
+      const int64_t so = ok ? cache.scale_offset(page * p.page_size + off, kvh) : 0;
+      const bool is_k = lane < kTile;
+      cp_async_small<C::kScaleBytes>(st_addr + (is_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
+                                     (is_k ? p.k_scale : p.v_scale) + so, ok ? C::kScaleBytes : 0);
+    }
+  };
+
+  float m[kRows], l[kRows], o[NT][2 * kRows];
+#pragma unroll
+  for (int h = 0; h < kRows; ++h) m[h] = -INFINITY, l[h] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 2 * kRows; ++e) o[j][e] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    if (s < num_tiles) issue(s);
+    cp_async_commit();
+  }
+  for (int c = 0; c < num_tiles; ++c) {
+    if (c + C::kStages - 1 < num_tiles) issue(c + C::kStages - 1);
+    cp_async_commit();
+    cp_async_wait<C::kStages - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + (c % C::kStages) * C::kStageBytes;
+    const uint32_t valid = *reinterpret_cast<const uint32_t*>(st + C::kMaskOff);
+    const uint16_t* kss = reinterpret_cast<const uint16_t*>(st + C::kKSOff);
+    const uint16_t* vss = reinterpret_cast<const uint16_t*>(st + C::kVSOff);
+
+    // ---- S = Q K^T. Unquantized: thread (gid, tig) reads 16-byte chunks 4 ic + tig of key row nt*8 + gid.
+    // 8-bit: it reads bytes [32 blk + 8 tig, +8) of the row for every block; the block's two k-steps give
+    // q . raw_block, which is scaled by the key's block scale in fp32 (thread's tokens: nt*8 + 2 tig + {0,1}).
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int row = nt * 8 + gid;
+      const unsigned char* krow = st + C::kKOff + row * C::kKStride;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      auto mma = [&](float (&c)[4], int ks, uint32_t b0, uint32_t b1) {
+        if constexpr (kRows2) {
+          mma16816<QT>(c, qa[ks], b0, b1);
+        } else {
+          float top[2] = {c[0], c[1]};
+          mma16816_top<QT>(top, qa[ks][0], qa[ks][1], b0, b1);
+          c[0] = top[0], c[1] = top[1];
+        }
+      };
+      if constexpr (kQuant) {
+        const int t0 = nt * 8 + 2 * tig;
+        uint16_t sc0[C::kNB], sc1[C::kNB];
+#pragma unroll
+        for (int blk = 0; blk < C::kNB; ++blk) sc0[blk] = kss[t0 * C::kNB + blk], sc1[blk] = kss[(t0 + 1) * C::kNB + blk];
+#pragma unroll
+        for (int blk = 0; blk < C::kNB; ++blk) {
+          uint32_t h[4];
+          raw8_to_half<S>(*reinterpret_cast<const uint2*>(krow + 32 * blk + 8 * tig), h);
+          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma(part, 2 * blk, h[0], h[1]);
+          mma(part, 2 * blk + 1, h[2], h[3]);
+          const float k0 = scale_to_float(sc0[blk]), k1 = scale_to_float(sc1[blk]);
+          acc[0] = fmaf(part[0], k0, acc[0]);
+          acc[1] = fmaf(part[1], k1, acc[1]);
+          acc[2] = fmaf(part[2], k0, acc[2]);
+          acc[3] = fmaf(part[3], k1, acc[3]);
+        }
+      } else {
+#pragma unroll
+        for (int ic = 0; ic < C::kNC / 4; ++ic) {
+          const int chunk = 4 * ic + tig;
+          const int phys = C::kSwizzle ? chunk ^ ((row & 1) << 2) : chunk;
+          const uint4 raw = *reinterpret_cast<const uint4*>(krow + phys * 16);
+          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int i = 0; i < C::kKPC; ++i) mma(acc, ic * C::kKPC + i, w[2 * i], w[2 * i + 1]);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = acc[e];
+    }
+
+    // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2
+    uint32_t pa[4];
+#pragma unroll
+    for (int h = 0; h < kRows; ++h) {
+      float x[2][2];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = s[nt][2 * h + e] * qs[h];
+          if (softcap) v = p.logit_softcap * tanhf(v / p.logit_softcap) * kLog2e;
+          const int tok = nt * 8 + 2 * tig + e;
+          v = (valid >> tok) & 1 ? v : -INFINITY;
+          x[nt][e] = v;
+          mx = detail::nanmax(mx, v);
+        }
+      mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = detail::nanmax(m[h], mx);
+      const float corr = mn == -INFINITY ? 1.0f : fast_exp2(m[h] - mn);
+      float pr[2][2], sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pr[nt][e] = mn == -INFINITY ? 0.0f : fast_exp2(x[nt][e] - mn);
+          sum += pr[nt][e];
+        }
+      m[h] = mn;
+      l[h] = l[h] * corr + sum;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) o[j][2 * h] *= corr, o[j][2 * h + 1] *= corr;
+      pa[h] = pack2<T>(pr[0][0], pr[0][1]);       // a0 (row gid) / a1 (row gid + 8)
+      pa[2 + h] = pack2<T>(pr[1][0], pr[1][1]);   // a2 / a3
+    }
+
+    // ---- O += P V: thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9.
+    const unsigned char* vrow = st + C::kVOff + 2 * tig * C::kVStride;
+#pragma unroll
+    for (int r = 0; r < C::kRW; ++r) {
+      const int wo = (gid + 8 * r) * 8;
+      const uint2 wa = *reinterpret_cast<const uint2*>(vrow + wo);
+      const uint2 wb = *reinterpret_cast<const uint2*>(vrow + C::kVStride + wo);
+      const uint2 wc = *reinterpret_cast<const uint2*>(vrow + 8 * C::kVStride + wo);
+      const uint2 wd = *reinterpret_cast<const uint2*>(vrow + 9 * C::kVStride + wo);
+      uint16_t sa = 0, sb = 0, sc = 0, sd = 0;
+      if constexpr (kQuant) {
+        const int blk = wo / kBlock;  // bytes == elements for 8-bit rows
+        const int t0 = 2 * tig;
+        sa = vss[t0 * C::kNB + blk], sb = vss[(t0 + 1) * C::kNB + blk];
+        sc = vss[(t0 + 8) * C::kNB + blk], sd = vss[(t0 + 9) * C::kNB + blk];
+      }
+      uint32_t b0[C::kEPW], b1[C::kEPW];
+      value_pairs<T, S>(wa, wb, sa, sb, b0);
+      value_pairs<T, S>(wc, wd, sc, sd, b1);
+#pragma unroll
+      for (int j = 0; j < C::kEPW; ++j) {
+        const int nt = r * C::kEPW + j;
+        if constexpr (kRows2) {
+          mma16816<T>(o[nt], pa, b0[j], b1[j]);
+        } else {
+          mma16816_top<T>(o[nt], pa[0], pa[2], b0[j], b1[j]);
+        }
+      }
+    }
+    __syncwarp();  // the stage is refilled by the next iteration
+  }
+  cp_async_wait<0>();
+
+  // ---- combine the warps in shared memory (the ring is free now), then write one partial per split
+  // (layout of decode.cuh, parts = num_splits). n-tile r * EPW + j, column n <-> d = r*8*EPW + n*EPW + j.
+  __syncthreads();
+  float* red_o = reinterpret_cast<float*>(smem);                // [kWarps][GMAX][HD]
+  float* red_ml = red_o + C::kWarps * GMAX * HD;                 // [kWarps][GMAX][2]
+#pragma unroll
+  for (int h = 0; h < kRows; ++h) {
+    float lsum = l[h];
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const int g = gid + 8 * h;
+    if (tig == 0) {
+      red_ml[(warp * GMAX + g) * 2] = m[h];
+      red_ml[(warp * GMAX + g) * 2 + 1] = lsum;
+    }
+    float* dst = red_o + (warp * GMAX + g) * HD;
+#pragma unroll
+    for (int r = 0; r < C::kRW; ++r) {
+      float v[2 * C::kEPW];
+#pragma unroll
+      for (int j = 0; j < C::kEPW; ++j) {
+        v[j] = o[r * C::kEPW + j][2 * h];
+        v[C::kEPW + j] = o[r * C::kEPW + j][2 * h + 1];
+      }
+      float* d0 = dst + r * 8 * C::kEPW + 2 * tig * C::kEPW;
+#pragma unroll
+      for (int j = 0; j < 2 * C::kEPW; j += 4) *reinterpret_cast<float4*>(d0 + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+    }
+  }
+  __syncthreads();
+  const int parts = p.num_splits;
+  float* ws_ml = p.workspace;
+  float* ws_acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2;
+  for (int i = threadIdx.x; i < G * HD; i += C::kWarps * 32) {
+    const int g = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::kWarps; ++w) mx = detail::nanmax(mx, red_ml[(w * GMAX + g) * 2]);
+    float lsum = 0.0f, acc = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::kWarps; ++w) {
+        const float mw = red_ml[(w * GMAX + g) * 2];
+        const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
+        lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
+        acc += red_o[(w * GMAX + g) * HD + d] * sc;
+      }
+    }
+    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * parts + split;
+    ws_acc[row * HD + d] = acc;
+    if (d == 0) {
+      ws_ml[row * 2] = mx;
+      ws_ml[row * 2 + 1] = lsum;
+    }
+  }
+}
+
+}  // namespace decode_tc
+
+// GQA group bucket of the tensor-core kernel: 8 (rows 0..7 of the mma) or 16.
+#define KVQ_DISPATCH_TC_GROUP(group, GMAX, ...)                          \
+  [&]() -> cudaError_t {                                                 \
+    if (group >= 1 && group <= 8) { constexpr int GMAX = 8; __VA_ARGS__ }    \
+    if (group > 8 && group <= 16) { constexpr int GMAX = 16; __VA_ARGS__ }   \
+    return cudaErrorInvalidValue;                                        \
+  }()
+
+// Calls f(kernel, smem_bytes, warps, head_dim) with the split kernel instantiated for p (shared memory
+// opt-in done once per kernel and device).
+template <typename F>
+cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) return cudaErrorInvalidValue;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  return KVQ_DISPATCH_DTYPE(p.dtype, T, {
+    return KVQ_DISPATCH_STORAGE(p.format, p.dtype, S, {
+      if constexpr (!StorageTraits<S>::kQuantized && !std::is_same_v<S, T>) {
+        return cudaErrorInvalidValue;  // an unquantized cache holds the query dtype
+      } else {
+        return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
+          return KVQ_DISPATCH_TC_GROUP(group, GMAX, {
+            using C = decode_tc::Cfg<S, HD>;
+            auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
+            static bool opted_in[64] = {};
+            int dev = 0;
+            cudaError_t e = cudaGetDevice(&dev);
+            if (e != cudaSuccess) return e;
+            if (dev < 0 || dev >= 64 || !opted_in[dev]) {
+              e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+              if (e != cudaSuccess) return e;
+              if (dev >= 0 && dev < 64) opted_in[dev] = true;
+            }
+            return f(kernel, C::kSmem, C::kWarps, HD);
+          });
+        });
+      }
+    });
+  });
+}
+
+// CTAs of the split kernel that one SM holds at once (for the split count: one full wave).
+inline int decode_tc_ctas_per_sm(const DecodeParams& p) {
+  static int cached[64][3][2][3][2] = {};  // device, format, dtype, head_dim, group bucket
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
+  const int g = p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8 ? 1 : 0;
+  int* slot = dev >= 0 && dev < 64 ? &cached[dev][int(p.format) % 3][int(p.dtype) % 2][hd][g] : nullptr;
+  if (slot != nullptr && *slot > 0) return *slot;
+  int n = 0;
+  const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int warps, int) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, warps * 32, smem);
+  });
+  n = e == cudaSuccess && n > 0 ? n : 1;
+  if (slot != nullptr) *slot = n;
+  return n;
+}
+
+inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t stream) {
+  if (p.batch == 0) return cudaSuccess;
+  if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
+  return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps, int hd) {
+    kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), warps * 32, smem, stream>>>(p);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    return KVQ_DISPATCH_DTYPE(p.dtype, O, {
+      detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch), hd, 0, stream>>>(p, p.num_splits);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace kvq
