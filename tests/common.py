@@ -79,7 +79,7 @@ def backend_ops(name: str):
     """The four ops of one backend, called directly (so several backends can be compared in one process).
 
     ``reference`` and ``triton`` are Python modules; ``cuda`` is the compiled kernels behind ``torch.ops.kvq``
-    (only when ``kvq._C`` is the active CUDA backend).
+    (only when ``kvq._C`` is the active CUDA backend); ``cuda-fma`` the same with the FMA decode kernel.
     """
     import pytest
 
@@ -93,8 +93,25 @@ def backend_ops(name: str):
         from kvq import triton_backend
 
         return triton_backend
-    if name == "cuda":
+    if name in ("cuda", "cuda-fma"):
         if backends.selection().active != "cuda":
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
-        return torch.ops.kvq
+        return torch.ops.kvq if name == "cuda" else _FmaDecode()
     raise ValueError(name)
+
+
+class _FmaDecode:
+    """torch.ops.kvq with decode_attention served by the CUDA FMA kernel instead of the tensor-core one
+    (the rule picks one by GQA group size; both must be right for every shape)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.ops.kvq, name)
+
+    def decode_attention(self, *args, **kwargs):
+        from kvq import _C
+
+        prev = _C.set_decode_kernel("fma")
+        try:
+            return torch.ops.kvq.decode_attention(*args, **kwargs)
+        finally:
+            _C.set_decode_kernel(prev)

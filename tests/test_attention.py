@@ -19,6 +19,7 @@ from kvq import reference
 from common import FORMATS, backend_ops, cache_dtype, poison_, random_paged, rel_err
 
 BACKENDS = ["triton", "cuda"]
+DECODE_BACKENDS = BACKENDS + ["cuda-fma"]  # the CUDA decode has a tensor-core and an FMA kernel
 FLOOR = 1e-5
 
 
@@ -107,7 +108,7 @@ def _ids(case):
     return "-".join(str(x).replace("torch.", "").replace(" ", "") for x in case)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("case", DECODE_CPU, ids=_ids)
 def test_decode(backend, case):
     check_decode(backend, *case)
@@ -134,7 +135,7 @@ DECODE_GPU = _gpu_decode_cases()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("case", DECODE_GPU, ids=_ids)
 def test_decode_gpu(backend, case):
     fmt, dt, d, g, page, window, cap = case
@@ -143,7 +144,7 @@ def test_decode_gpu(backend, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_decode_long_gpu(backend, fmt):
     dt = torch.float16 if fmt == "fp16" else torch.bfloat16
@@ -252,7 +253,7 @@ def test_quantization_error_report(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
 def test_decode_cuda_graph(backend):
     """Captured once, replayed with new lengths and a new query: no host sync, no size read from data."""
     ops = backend_ops(backend)

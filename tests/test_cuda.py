@@ -24,6 +24,12 @@ def ops():
     return backend_ops("cuda")
 
 
+@pytest.fixture(params=["cuda", "cuda-fma"])
+def decode_ops(request):
+    """The CUDA ops with either decode kernel (tensor cores, FMA)."""
+    return backend_ops(request.param)
+
+
 def _bytes(t):
     return t.view(torch.uint8) if t.dtype != torch.float16 else t.view(torch.int16)
 
@@ -128,12 +134,12 @@ def test_dequantize_matches_reference_bit_for_bit(ops, fmt, out_dtype):
     assert torch.equal(_bytes(got), _bytes(want))
 
 
-def _decode_case(ops, fmt, dtype, lens, hq, hkv, d, page_size, window_left=-1, softcap=0.0):
+def _decode_case(ops, fmt, dtype, lens, hq, hkv, d, page_size, window_left=-1, softcap=0.0, q_exp=0):
     cache_dt = QUANT.get(fmt, dtype)
     p = random_paged(lens, page_size, hkv, d, cache_dt, model_dtype=dtype, device="cuda")
-    q = torch.randn(len(lens), hq, d, dtype=dtype, device="cuda")
+    q = (torch.randn(len(lens), hq, d, device="cuda") * 2.0 ** q_exp).to(dtype)
     out = poison_(torch.empty_like(q))
-    sm = 1 / math.sqrt(d)
+    sm = 1 / math.sqrt(d) * 2.0 ** -q_exp
     ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
                          window_left, softcap, out)
     ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
@@ -154,42 +160,52 @@ def _assert_close(out, ref, lens):
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "same"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 6, 16])
-def test_decode_matches_reference(ops, fmt, d, group):
+def test_decode_matches_reference(decode_ops, fmt, d, group):
     lens = [1, 77, 1000, 0, 4100]
-    out, ref = _decode_case(ops, fmt, torch.bfloat16, lens, 2 * group, 2, d, 16)
+    out, ref = _decode_case(decode_ops, fmt, torch.bfloat16, lens, 2 * group, 2, d, 16)
     _assert_close(out, ref, lens)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_page_sizes_and_dtypes(ops, page_size, dtype):
+def test_decode_page_sizes_and_dtypes(decode_ops, page_size, dtype):
     lens = [513, 2, 3000]
-    out, ref = _decode_case(ops, "fp8_e4m3", dtype, lens, 8, 2, 128, page_size)
+    out, ref = _decode_case(decode_ops, "fp8_e4m3", dtype, lens, 8, 2, 128, page_size)
     _assert_close(out, ref, lens)
 
 
 @pytest.mark.parametrize("window_left,softcap", [(0, 0.0), (100, 0.0), (-1, 30.0), (700, 5.0)])
-def test_decode_window_and_softcap(ops, window_left, softcap):
+def test_decode_window_and_softcap(decode_ops, window_left, softcap):
     lens = [1, 90, 2500]
-    out, ref = _decode_case(ops, "q8_0", torch.bfloat16, lens, 8, 2, 128, 16, window_left, softcap)
+    out, ref = _decode_case(decode_ops, "q8_0", torch.bfloat16, lens, 8, 2, 128, 16, window_left, softcap)
     _assert_close(out, ref, lens)
 
 
-def test_decode_propagates_non_finite_blocks(ops):
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("q_exp", [-40, -12, 12, 60])
+def test_decode_query_magnitudes(decode_ops, fmt, q_exp):
+    """bf16 queries far outside fp16's range: the tensor-core kernel multiplies each query row by a power of
+    two before its fp16 products with the raw 8-bit keys; the result must match the reference as at unit scale."""
+    lens = [300, 1000]
+    out, ref = _decode_case(decode_ops, fmt, torch.bfloat16, lens, 8, 2, 128, 16, q_exp=q_exp)
+    _assert_close(out, ref, lens)
+
+
+def test_decode_propagates_non_finite_blocks(decode_ops):
     hkv, d = 2, 128
     p = random_paged([50, 60], 16, hkv, d, torch.int8, device="cuda")
     bad = torch.randn(1, hkv, d, dtype=torch.bfloat16, device="cuda")
     bad[0, 1, 3] = math.nan
     slot = p.block_table[0, 1].long() * 16 + 4  # token 20 of sequence 0
-    ops.store_kv(bad, bad, p.k_cache, p.v_cache, p.k_scale, p.v_scale, slot.view(1))
+    decode_ops.store_kv(bad, bad, p.k_cache, p.v_cache, p.k_scale, p.v_scale, slot.view(1))
     q = torch.randn(2, 8, d, dtype=torch.bfloat16, device="cuda")
     out = poison_(torch.empty_like(q))
-    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, 0.1, -1, 0.0, out)
+    decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, 0.1, -1, 0.0, out)
     assert torch.isnan(out[0, 4:]).all()  # the query heads of kv head 1 read the NaN block
     assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
 
 
-def test_decode_guards_pages_out_of_range_with_checks_off(ops):
+def test_decode_guards_pages_out_of_range_with_checks_off(decode_ops):
     p = random_paged([40, 40], 16, 2, 64, torch.int8, device="cuda")
     table = p.block_table.clone()
     table[0, 1] = 10 ** 6
@@ -198,7 +214,7 @@ def test_decode_guards_pages_out_of_range_with_checks_off(ops):
     out = poison_(torch.empty_like(q))
     kvq.set_index_checks(False)
     try:
-        ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, table, p.seq_lens, 0.1, -1, 0.0, out)
+        decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, table, p.seq_lens, 0.1, -1, 0.0, out)
     finally:
         kvq.set_index_checks(True)
     torch.cuda.synchronize()
@@ -206,7 +222,7 @@ def test_decode_guards_pages_out_of_range_with_checks_off(ops):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "same"])
-def test_cuda_graph_replay_equals_eager(ops, fmt):
+def test_cuda_graph_replay_equals_eager(decode_ops, fmt):
     dtype, hq, hkv, d, page_size = torch.bfloat16, 8, 2, 128, 16
     cache_dt = QUANT.get(fmt, dtype)
     p = random_paged([300, 1200], page_size, hkv, d, cache_dt, device="cuda")
@@ -222,8 +238,8 @@ def test_cuda_graph_replay_equals_eager(ops, fmt):
     snapshot = [None if c is None else c.clone() for c in caches]
 
     def step():
-        ops.store_kv(key, value, *caches, slots)
-        ops.decode_attention(q, *caches, p.block_table, lens, 0.1, -1, 0.0, out)
+        decode_ops.store_kv(key, value, *caches, slots)
+        decode_ops.decode_attention(q, *caches, p.block_table, lens, 0.1, -1, 0.0, out)
 
     step()  # warm up (and compile nothing lazily inside the capture)
     torch.cuda.synchronize()
