@@ -1,34 +1,62 @@
-"""Small store/dequantize/decode calls, including out-of-range slots and pages with the index checks off,
-for `compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py`."""
+"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels.
+
+    compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py      # out-of-range slots and pages
+    compute-sanitizer --tool initcheck python csrc/tools/memcheck_smoke.py --full
+    KVQ_BACKEND=triton compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py   # Triton kernels
+
+Default: out-of-range slots and pages with the index checks off (the kernels must skip them). ``--full``:
+every slot of the caches is stored first and only valid indices are used, so that initcheck can tell a
+kernel that reads memory nobody wrote from a test that decodes pages it never filled.
+"""
+
+import sys
 
 import torch
 
 import kvq
-from kvq import reference
+from kvq import _C
 
+full = "--full" in sys.argv
 kvq.set_index_checks(False)
 torch.manual_seed(0)
 dev = "cuda"
 for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
-    for d, page_size, hq, hkv in ((64, 1, 2, 2), (128, 16, 32, 8), (256, 5, 16, 1)):
+    for d, page_size, hq, hkv in ((64, 1, 2, 2), (128, 16, 32, 8), (256, 5, 16, 1), (128, 3, 12, 1)):
         pages = 40
         kc, ks = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
         vc, vs = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
-        n = 30  # at most the 40 slots of the smallest cache (page size 1)
+        n = pages * page_size if full else 30  # at most the 40 slots of the smallest cache (page size 1)
         key = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=dev)
         value = torch.randn_like(key)
         slots = torch.randperm(pages * page_size, device=dev)[:n]
-        slots[0], slots[1], slots[2] = -1, pages * page_size, -9  # skipped, never written
+        if not full:
+            slots[0], slots[1], slots[2] = -1, pages * page_size, -9  # skipped, never written
         torch.ops.kvq.store_kv(key, value, kc, vc, ks, vs, slots)
         torch.ops.kvq.dequantize(kc, ks, slots, torch.float16)
         table = torch.randint(0, pages, (3, 12), dtype=torch.int32, device=dev)
-        table[1, 2] = pages + 7  # guarded: skipped
-        table[2, 0] = -1
+        if not full:
+            table[1, 2] = pages + 7  # guarded: skipped
+            table[2, 0] = -1
         lens = torch.tensor([0, 12 * page_size, 3], dtype=torch.int32, device=dev)
         q = torch.randn(3, hq, d, dtype=torch.bfloat16, device=dev)
         out = torch.empty_like(q)
-        torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
-        lens[1] = 10 ** 6  # beyond the block table: clamped
-        torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, 20, 10.0, out)
+        for kernel in ("tc", "fma") if hasattr(_C, "set_decode_kernel") else ("",):
+            if kernel:
+                _C.set_decode_kernel(kernel)
+            torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
+            lens[1] = 12 * page_size if full else 10 ** 6  # beyond the block table: clamped
+            torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, 20, 10.0, out)
+        if hasattr(_C, "set_decode_kernel"):
+            _C.set_decode_kernel("auto")
+        # extend: sequences with 0, 5 and 70 new tokens over prefixes read from the same pages
+        new = torch.tensor([0, 5, 70], device=dev)
+        cu = torch.cat([new.new_zeros(1), new.cumsum(0)]).to(torch.int32)
+        t = int(new.sum())
+        prefix = torch.tensor([3, 12 * page_size - 7, 0 if full else 10 ** 6], dtype=torch.int32, device=dev)
+        qx = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
+        kx, vx = torch.randn(2, t, hkv, d, dtype=torch.bfloat16, device=dev).unbind(0)
+        outx = torch.empty_like(qx)
+        torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
+        torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
 torch.cuda.synchronize()
-print("memcheck smoke: ok")
+print(f"memcheck smoke ({'all slots written' if full else 'out-of-range indices'}): ok")
