@@ -205,6 +205,16 @@ def test_decode_propagates_non_finite_blocks(decode_ops):
     assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
 
 
+@pytest.mark.parametrize("sm_scale,softcap", [(math.inf, 0.0), (math.nan, 0.0), (0.1, math.inf)])
+def test_direct_op_call_refuses_non_finite_scalars(sm_scale, softcap):
+    """A direct torch.ops.kvq call on CUDA tensors refuses non-finite scalars (the C++ adapter checks them too)."""
+    p = random_paged([40], 16, 2, 64, torch.int8, device="cuda")
+    q = torch.randn(1, 4, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="sm_scale|logit_softcap"):
+        torch.ops.kvq.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
+                                       sm_scale, -1, softcap, torch.empty_like(q))
+
+
 def test_decode_guards_pages_out_of_range_with_checks_off(decode_ops):
     p = random_paged([40, 40], 16, 2, 64, torch.int8, device="cuda")
     table = p.block_table.clone()

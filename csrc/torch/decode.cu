@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
+#include <cmath>
 
 #include "kvq/decode_tc.cuh"
 #include "ops.h"
@@ -55,9 +56,10 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   check_tensor(op, "out", out, 3, {query.scalar_type()}, dev);
   KVQ_CHECK(op, out.sizes() == query.sizes(), "out has shape ", shape_str(out), "; it must match query ", shape_str(query));
   KVQ_CHECK(op, out.stride(2) == 1, "out must have a unit stride on head_dim");
-  KVQ_CHECK(op, sm_scale > 0, "sm_scale must be positive, got ", sm_scale);
+  KVQ_CHECK(op, sm_scale > 0 && std::isfinite(sm_scale), "sm_scale must be positive and finite, got ", sm_scale);
   KVQ_CHECK(op, window_left >= -1, "window_left must be -1 (no window) or >= 0, got ", window_left);
-  KVQ_CHECK(op, logit_softcap >= 0, "logit_softcap must be 0 (none) or positive, got ", logit_softcap);
+  KVQ_CHECK(op, logit_softcap >= 0 && std::isfinite(logit_softcap), "logit_softcap must be 0 (none) or positive "
+            "and finite, got ", logit_softcap);
   KVQ_CHECK(op, c.quantized || query.scalar_type() == k_cache.scalar_type(), "query is ", query.scalar_type(),
             " but the unquantized cache is ", k_cache.scalar_type(), "; they must match");
   check_tensor(op, "block_table", block_table, 2, {at::kInt}, dev);
