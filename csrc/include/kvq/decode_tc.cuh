@@ -1,20 +1,22 @@
 // decode_attention on tensor cores: the query heads of one kv head are the M rows of mma.sync.m16n8k16.
 //
 // Same flash-decoding plan as decode.cuh (a CTA owns (sequence, kv head, split); each warp walks its own
-// 16-token tiles with its own softmax state; a merge kernel combines the partials), but the dot products
-// run on tensor cores, so the arithmetic no longer competes with the loads. Per tile and warp:
+// 16-token tiles with its own softmax state; the warps are combined in shared memory and a merge kernel
+// combines the splits), but the dot products run on tensor cores. Per tile and warp:
 //   S[16 x 16] = Q[16 x HD] K^T   (16 rows = the GQA group, zero-padded; 2 n-tiles of 8 tokens)
 //   O[16 x HD] += P[16 x 16] V    (16 tokens = the k of one mma)
-// K and V are dequantized in registers, on their way from shared memory into the mma operands, to exactly
-// what the same-precision reference uses: T(q * scale), rounded once to the query dtype T. Neither needs a
-// transposing copy: the order of the reduction dimension of Q K^T (head_dim) is free, so each thread reads
-// whole 16-byte chunks of a key row and Q's fragments are laid out to match; for P V each thread reads one
-// 8-byte word of four token rows and interleaves their bytes with PRMT (the output columns it holds are
-// permuted the same way, and written back to their true positions).
+// 8-bit keys enter fp16 mmas raw (int8 and e4m3 values are exact in fp16), one 32-element block per two
+// k-steps, and the key's block scale multiplies that block's dot product in fp32; query rows are multiplied
+// by a power of two first, so bf16 queries are exact in fp16. Values are dequantized in registers to what
+// the same-precision reference uses, T(q * scale) rounded once to the query dtype T. Neither needs a
+// transposing copy: the order of head_dim in Q K^T is free, so Q's fragments are laid out to match how each
+// thread reads its key row; for P V each thread reads one 8-byte word of four token rows and interleaves
+// their bytes with PRMT (the output columns it holds are permuted the same way, and written back to their
+// true positions).
 //
 // Raw rows and scales travel by cp.async into a warp-private ring of kStages tiles (no block barrier in the
-// loop). Key rows are XOR-swizzled and value rows padded by 16 bytes, so that the fragment loads of a warp
-// are free of bank conflicts.
+// loop). 8-bit key rows are padded by 32 bytes, unquantized ones XOR-swizzled, value rows padded by 16 bytes,
+// so that the fragment loads of a warp are free of bank conflicts.
 #pragma once
 
 #include "decode.cuh"
@@ -39,7 +41,6 @@ struct Cfg {
   // 32-element block per 4 threads, which a 32-byte pad keeps free of bank conflicts.
   static constexpr bool kSwizzle = !kQuant && kNC >= 8;
   static constexpr int kKStride = kQuant ? kRowBytes + 32 : kRowBytes;
-  using QK = std::conditional_t<kQuant, __half, void>;  // mma type of Q K^T for 8-bit keys (T otherwise)
   static constexpr int kVStride = kRowBytes + 16;
   static constexpr int kNB = HD / kBlock;
   static constexpr int kScaleBytes = kQuant ? kNB * 2 : 0;  // per row
