@@ -103,18 +103,8 @@ __device__ __forceinline__ void load_words(const unsigned char* p, uint32_t* w) 
 // The paged layout as the decode kernels see it (values are addressed through byte offsets).
 template <typename S, int HD>
 __device__ __forceinline__ paged_kv_t<S> decode_cache(const DecodeParams& p) {
-  paged_kv_t<S> c;
-  c.num_pages = p.num_pages;
-  c.page_size = p.page_size;
-  c.num_kv_heads = p.num_kv_heads;
-  c.head_dim = HD;
-  c.k_stride_page = p.k_stride_page;
-  c.v_stride_page = p.v_stride_page;
-  c.block_table = p.block_table;
-  c.block_table_stride = p.block_table_stride;
-  c.max_pages = p.max_pages;
-  c.lengths = p.seq_lens;
-  return c;
+  return paged_kv_t<S>(p.num_pages, p.page_size, p.num_kv_heads, HD, p.k_stride_page, p.v_stride_page, p.block_table,
+                       p.block_table_stride, p.max_pages, p.seq_lens);
 }
 
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32.

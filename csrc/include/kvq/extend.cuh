@@ -252,15 +252,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const uint32_t sK = sQ + kBlockM * D * 2;
   const uint32_t sV = sK + BN * D * 2;
 
-  paged_kv_t<S> cache;
-  cache.num_pages = p.num_pages;
-  cache.page_size = p.page_size;
-  cache.num_kv_heads = p.num_kv_heads;
-  cache.head_dim = D;
-  cache.block_table = p.block_table;
-  cache.block_table_stride = p.block_table_stride;
-  cache.max_pages = p.max_pages;
-  cache.lengths = p.prefix_lens;
+  const paged_kv_t<S> cache(p.num_pages, p.page_size, p.num_kv_heads, D, p.k_stride_page, p.v_stride_page,
+                            p.block_table, p.block_table_stride, p.max_pages, p.prefix_lens);
 
   const int G = p.num_q_heads / p.num_kv_heads;
   // Largest b with start(b) = cu[b] * G / BLOCK_M + b <= blk; late row blocks (more keys when causal)

@@ -31,6 +31,17 @@ struct paged_kv_t {
   int max_pages = 0;  // columns of block_table
   const int32_t* lengths = nullptr;
 
+  paged_kv_t() = default;
+  // A cache's geometry (page strides in elements) and, where sequences are read through it, the block table
+  // and the sequence lengths.
+  __host__ __device__ paged_kv_t(int num_pages_, int page_size_, int num_kv_heads_, int head_dim_,
+                                 int64_t k_stride_page_, int64_t v_stride_page_,
+                                 const int32_t* block_table_ = nullptr, int64_t block_table_stride_ = 0,
+                                 int max_pages_ = 0, const int32_t* lengths_ = nullptr)
+      : k_stride_page(k_stride_page_), v_stride_page(v_stride_page_), num_pages(num_pages_),
+        page_size(page_size_), num_kv_heads(num_kv_heads_), head_dim(head_dim_), block_table(block_table_),
+        block_table_stride(block_table_stride_), max_pages(max_pages_), lengths(lengths_) {}
+
   __host__ __device__ int64_t num_slots() const { return static_cast<int64_t>(num_pages) * page_size; }
   __device__ bool valid_slot(int64_t slot) const { return slot >= 0 && slot < num_slots(); }
   __device__ bool valid_page(int64_t page) const { return page >= 0 && page < num_pages; }

@@ -70,13 +70,7 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p) 
   const int h = static_cast<int>(row % p.num_kv_heads);
   const int64_t t = row / p.num_kv_heads;
 
-  paged_kv_t<S> cache;
-  cache.num_pages = p.num_pages;
-  cache.page_size = p.page_size;
-  cache.num_kv_heads = p.num_kv_heads;
-  cache.head_dim = p.head_dim;
-  cache.k_stride_page = p.k_stride_page;
-  cache.v_stride_page = p.v_stride_page;
+  const paged_kv_t<S> cache(p.num_pages, p.page_size, p.num_kv_heads, p.head_dim, p.k_stride_page, p.v_stride_page);
 
   const int64_t slot = load_slot(p.slot_mapping, p.slot_is_int32, t);
   const bool write = in_range && cache.valid_slot(slot);  // -1 and out-of-range slots write nothing
@@ -137,12 +131,7 @@ __global__ void __launch_bounds__(kStoreThreads) dequantize_kernel(DequantParams
   const int h = static_cast<int>(row % p.num_kv_heads);
   const int64_t t = row / p.num_kv_heads;
 
-  paged_kv_t<S> cache;
-  cache.num_pages = p.num_pages;
-  cache.page_size = p.page_size;
-  cache.num_kv_heads = p.num_kv_heads;
-  cache.head_dim = p.head_dim;
-  cache.k_stride_page = p.stride_page;
+  const paged_kv_t<S> cache(p.num_pages, p.page_size, p.num_kv_heads, p.head_dim, p.stride_page, p.stride_page);
 
   const int64_t slot = load_slot(p.slot_mapping, p.slot_is_int32, t);
   float x[kChunk];
