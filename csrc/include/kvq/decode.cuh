@@ -107,6 +107,26 @@ __device__ __forceinline__ paged_kv_t<S> decode_cache(const DecodeParams& p) {
                        p.block_table_stride, p.max_pages, p.seq_lens);
 }
 
+// The tokens one warp of a split walks. The split's share of the visible keys [start, L) is a run of whole
+// kTileTokens-token tiles; its warps take them round robin: tile c of the warp starts at first + c * step,
+// for c < count, and no tile reaches past end.
+struct WarpTokens {
+  int first, end, step, count;
+};
+template <int kTileTokens, int kWarps>
+__device__ __forceinline__ WarpTokens warp_tokens(const DecodeParams& p, int L, int split, int warp) {
+  const int start = p.window_left >= 0 ? max(0, L - 1 - p.window_left) : 0;
+  const int n = L - start;
+  const int span = ((n + p.num_splits - 1) / p.num_splits + kTileTokens - 1) / kTileTokens * kTileTokens;
+  const int begin = min(L, start + split * span);
+  WarpTokens w;
+  w.end = min(L, begin + span);
+  w.first = begin + warp * kTileTokens;
+  w.step = kWarps * kTileTokens;
+  w.count = w.end > w.first ? (w.end - w.first + w.step - 1) / w.step : 0;
+  return w;
+}
+
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32.
 template <typename S, int HD, int GMAX>
 __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
@@ -146,16 +166,8 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
   }
   __syncthreads();
 
-  // This split's token range within the visible keys [start, L).
-  const int L = cache.length(b);
-  const int start = p.window_left >= 0 ? max(0, L - 1 - p.window_left) : 0;
-  const int n = L - start;
-  const int span = ((n + p.num_splits - 1) / p.num_splits + kChunkTokens - 1) / kChunkTokens * kChunkTokens;
-  const int begin = min(L, start + split * span);
-  const int end = min(L, begin + span);
-  const int first = begin + warp * kChunkTokens;
-  const int step = C::kWarps * kChunkTokens;
-  const int num_chunks = end > first ? (end - first + step - 1) / step : 0;
+  const WarpTokens wt = warp_tokens<kChunkTokens, C::kWarps>(p, cache.length(b), split, warp);
+  const int end = wt.end, first = wt.first, step = wt.step, num_chunks = wt.count;
 
   const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
   const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);

@@ -209,16 +209,8 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __
     }
   }
 
-  // This split's token range within the visible keys [start, L), in whole tiles.
-  const int L = cache.length(b);
-  const int start = p.window_left >= 0 ? max(0, L - 1 - p.window_left) : 0;
-  const int n = L - start;
-  const int span = ((n + p.num_splits - 1) / p.num_splits + kTile - 1) / kTile * kTile;
-  const int begin = min(L, start + split * span);
-  const int end = min(L, begin + span);
-  const int first = begin + warp * kTile;
-  const int step = C::kWarps * kTile;
-  const int num_tiles = end > first ? (end - first + step - 1) / step : 0;
+  const detail::WarpTokens wt = detail::warp_tokens<kTile, C::kWarps>(p, cache.length(b), split, warp);
+  const int end = wt.end, first = wt.first, step = wt.step, num_tiles = wt.count;
 
   const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
   const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);
