@@ -95,6 +95,8 @@ CPU_CASES = [  # (tokens, page_size, kv heads, head_dim, model dtype, format)
     (6, 16, 2, 96, torch.bfloat16, "q8_0"),  # a head_dim that is a multiple of 32 but not a power of two
     (8, 16, 2, 128, torch.bfloat16, "bf16"),
     (8, 1, 8, 64, torch.float16, "fp16"),
+    (70, 16, 3, 64, torch.float16, "q8_0"),  # several token blocks per launch, the last one partial
+    (3, 16, 12, 384, torch.bfloat16, "fp8_e4m3"),  # a token's rows split over programs, a head across the cut
 ]
 
 
@@ -108,6 +110,29 @@ def test_store_matches_reference(backend, case):
 def test_store_strided_rows(backend):
     """key/value may be views with a row stride larger than head_dim."""
     check_store(backend, 7, 16, 2, 64, torch.bfloat16, "q8_0", strided=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+def test_store_single_token(backend, fmt):
+    ops = backend_ops(backend)
+    key = torch.randn(1, 3, 64).to(torch.bfloat16)
+    got, want = _store_both(ops, key, -key, torch.tensor([37]), 4, 16, QUANT[fmt])
+    _assert_same_bytes(got, want)
+
+
+def test_store_triton_skips_out_of_range_slots():
+    """The Triton kernels run without index checks: a slot outside the cache is skipped like -1."""
+    ops = backend_ops("triton")
+    key = torch.randn(20, 3, 64).to(torch.bfloat16)
+    slots = torch.randperm(3 * 16)[:20]
+    bad, good = slots.clone(), slots.clone()
+    bad[[1, 9, 19]] = torch.tensor([3 * 16, 10 ** 9, -5])
+    good[[1, 9, 19]] = -1
+    (kc, ks), (vc, vs) = (_poisoned(3, 16, 3, 64, torch.int8, "cpu") for _ in range(2))
+    ops.store_kv(key, -key, kc, vc, ks, vs, bad)
+    want = _store_both(reference, key, -key, good, 3, 16, torch.int8)[1]
+    _assert_same_bytes((kc, vc, ks, vs), want)
 
 
 def _special_rows(model_dtype, fmt):

@@ -27,22 +27,21 @@ def _e4m3_rne(y):
     # Normals (|y| >= 2^-6): round the 23-bit mantissa to 3 bits, ties to even, then rebias 127 -> 7.
     normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
     # Subnormals: the code is |y| / 2^-9 rounded to nearest even (2^-6 itself becomes code 8, the first normal).
-    t = a.to(tl.float32, bitcast=True) * 512.0  # exact: a power-of-two scaling
-    ti = t.to(tl.int32)  # truncation; t >= 0
-    fr = t - ti.to(tl.float32)  # exact
-    sub = ti + ((fr > 0.5) | ((fr == 0.5) & ((ti & 1) == 1))).to(tl.int32)
+    # The product is exact (a power-of-two scaling) and below 8, so adding 2^23 leaves ulp 1: the fp32 add
+    # rounds it to nearest even and the integer lands in the low mantissa bits.
+    t = a.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+    sub = t.to(tl.int32, bitcast=True) - 0x4B000000  # 0x4B000000 = 2^23
     mag = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6
     return mag | sign
 
 
 @triton.jit
-def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, heads, blk, el, keep,
-                HKV: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
-    """One token's rows for a tile of heads: ``heads [BH,1,1]``, ``blk [1,NBP,1]``, ``el [1,1,32]``."""
-    mask = (heads < HKV) & (blk < NB) & keep
-    d = blk * 32 + el
-    x = tl.load(x_ptr + tok * sx_t + heads * sx_h + d, mask=mask, other=0.0)
-    dst = page * sc_page + off * (HKV * NB * 32) + heads * (NB * 32) + d
+def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, hb, el, mask,
+                NBT: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+    """Rows of a block of tokens: ``tok, slot, page, off [BT,1,1]``, ``hb [1,HB,1]`` the flat (head, 32-element
+    block) index within a token, ``el [1,1,32]``; ``mask [BT,HB,1]``."""
+    x = tl.load(x_ptr + tok * sx_t + (hb // NB) * sx_h + (hb % NB) * 32 + el, mask=mask, other=0.0)
+    dst = page * sc_page + off * (NBT * 32) + hb * 32 + el
     if FMT == 0:
         tl.store(c_ptr + dst, x.to(c_ptr.dtype.element_ty), mask=mask)
     else:
@@ -64,35 +63,47 @@ def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, 
         q = tl.where(bad != 0, 0, q)
         tl.store(c_ptr + dst, q.to(c_ptr.dtype.element_ty), mask=mask)
         sbits = tl.where(bad != 0, 0x7E00,  # the canonical fp16 NaN
-                          dsc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32))
-        sdst = slot * (HKV * NB) + heads * NB + blk
-        tl.store(s_ptr + sdst, sbits.to(tl.int16), mask=(heads < HKV) & (blk < NB) & keep)
+                         dsc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32))
+        tl.store(s_ptr + slot * NBT + hb, sbits.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE: tl.constexpr, BT: tl.constexpr):
+    """This program's tokens ``[BT,1,1]``: index, slot (0 where skipped), page, offset, and whether to keep it.
+    Slot -1 skips a token; so does an out-of-range slot (index checks off) and the tail past ``num_tokens``."""
+    tok = (tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT))[:, None, None]
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    keep = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(keep, slot, 0)
+    return tok, slot, slot // PAGE_SIZE, slot % PAGE_SIZE, keep
 
 
 @triton.jit
 def _store_kernel(k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
-                  kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, slot_ptr, num_slots,
-                  PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-                  BH: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    keep = (slot >= 0) & (slot < num_slots)  # -1 skips the token; so does a bad slot (checks off)
-    slot = tl.where(keep, slot, 0)
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
-    heads = (tl.program_id(1) * BH + tl.arange(0, BH))[:, None, None]
-    blk = tl.arange(0, NBP)[None, :, None]
+                  kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, slot_ptr, num_tokens, num_slots,
+                  PAGE_SIZE: tl.constexpr, NBT: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr,
+                  HB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+    tok, slot, page, off, keep = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE, BT)
+    hb = (tl.program_id(1) * HB + tl.arange(0, HB))[None, :, None]
     el = tl.arange(0, 32)[None, None, :]
+    mask = keep & (hb < NBT)
     # The value planes may be views with any page stride; the scale planes are dense (checked), so a scale's
     # index is the slot's.
-    _store_rows(k_ptr, sk_t, sk_h, kc_ptr, skc_page, ks_ptr, tok, slot, page, off, heads, blk, el, keep,
-                HKV, NB, FMT, INTERP)
-    _store_rows(v_ptr, sv_t, sv_h, vc_ptr, svc_page, vs_ptr, tok, slot, page, off, heads, blk, el, keep,
-                HKV, NB, FMT, INTERP)
+    _store_rows(k_ptr, sk_t, sk_h, kc_ptr, skc_page, ks_ptr, tok, slot, page, off, hb, el, mask,
+                NBT, NB, FMT, INTERP)
+    _store_rows(v_ptr, sv_t, sv_h, vc_ptr, svc_page, vs_ptr, tok, slot, page, off, hb, el, mask,
+                NBT, NB, FMT, INTERP)
 
 
-def _heads_per_program(hkv: int, d: int) -> int:
-    return max(1, min(triton.next_power_of_2(hkv), 2048 // triton.next_power_of_2(d)))
+def _tiling(hkv: int, d: int) -> tuple[int, int, int]:
+    """(tokens per program, 32-element blocks per token per program, warps).
+
+    A program covers 4096 elements of K and as many of V (16 KB of bf16 in): a program per token (192
+    elements for 3 heads of 64) leaves too few bytes in flight to keep HBM busy. With 8 warps a thread holds
+    16 consecutive elements, so its codes leave in one 16-byte store. Longer rows split over grid axis 1.
+    """
+    hb = min(triton.next_power_of_2(hkv * (d // 32)), 128)
+    return 128 // hb, hb, 8
 
 
 def store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
@@ -105,43 +116,34 @@ def store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> No
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     # Scales are written as int16 bits so a non-finite block gets exactly the canonical NaN.
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale.view(torch.int16), v_scale.view(torch.int16))
-    bh = _heads_per_program(hkv, d)
-    grid = (t, triton.cdiv(hkv, bh))
+    bt, hb, warps = _tiling(hkv, d)
+    grid = (triton.cdiv(t, bt), triton.cdiv(hkv * nb, hb))
     _store_kernel[grid](key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                        kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, slot_mapping.contiguous(),
+                        kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, slot_mapping.contiguous(), t,
                         k_cache.shape[0] * page_size,
-                        PAGE_SIZE=page_size, HKV=hkv, NB=nb, NBP=triton.next_power_of_2(nb), BH=bh, FMT=fmt,
-                        INTERP=INTERPRET, num_warps=4,
+                        PAGE_SIZE=page_size, NBT=hkv * nb, NB=nb, BT=bt, HB=hb, FMT=fmt,
+                        INTERP=INTERPRET, num_warps=warps,
                         # no mul+sub -> fma contraction: q8_0 rounding reads the fractional part of the rounded y
                         enable_fp_fusion=False)
 
 
 @triton.jit
-def _dequant_kernel(c_ptr, sc_page, s_ptr, slot_ptr, num_slots, out_ptr,
-                    PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-                    BH: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    keep = (slot >= 0) & (slot < num_slots)
-    slot = tl.where(keep, slot, 0)
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
-    heads = (tl.program_id(1) * BH + tl.arange(0, BH))[:, None, None]
-    blk = tl.arange(0, NBP)[None, :, None]
+def _dequant_kernel(c_ptr, sc_page, s_ptr, slot_ptr, num_tokens, num_slots, out_ptr,
+                    PAGE_SIZE: tl.constexpr, NBT: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr,
+                    FMT: tl.constexpr, INTERP: tl.constexpr):
+    tok, slot, page, off, keep = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE, BT)
+    hb = (tl.program_id(1) * HB + tl.arange(0, HB))[None, :, None]
     el = tl.arange(0, 32)[None, None, :]
-    inb = (heads < HKV) & (blk < NB)
-    d = blk * 32 + el
-    raw = tl.load(c_ptr + page * sc_page + off * (HKV * NB * 32) + heads * (NB * 32) + d, mask=inb & keep,
-                  other=0)
+    inb = hb < NBT
+    raw = tl.load(c_ptr + page * sc_page + off * (NBT * 32) + hb * 32 + el, mask=inb & keep, other=0)
     if FMT == 0:
         x = raw.to(tl.float32)
     else:
-        sidx = slot * (HKV * NB) + heads * NB + blk
-        s = tl.load(s_ptr + sidx, mask=inb & keep, other=0.0)
+        s = tl.load(s_ptr + slot * NBT + hb, mask=inb & keep, other=0.0)
         x = dequant(raw, s, FMT)
     x = tl.where(keep, x, 0.0)
-    tl.store(out_ptr + tok * (HKV * NB * 32) + heads * (NB * 32) + d, cast(x, out_ptr.dtype.element_ty, INTERP),
-             mask=inb)
+    tl.store(out_ptr + tok * (NBT * 32) + hb * 32 + el, cast(x, out_ptr.dtype.element_ty, INTERP),
+             mask=inb & (tok < num_tokens))
 
 
 def dequantize(cache, scale, slot_mapping, dtype):
@@ -151,13 +153,12 @@ def dequantize(cache, scale, slot_mapping, dtype):
     out = torch.empty(t, hkv, d, dtype=dtype, device=cache.device)
     if t == 0:
         return out
-    nb = d // 32
+    nbt = hkv * (d // 32)
     fmt = cache_format(cache)
     c = as_kernel_arg(cache)
     s = c if scale is None else scale
-    bh = _heads_per_program(hkv, d)
-    _dequant_kernel[(t, triton.cdiv(hkv, bh))](c, cache.stride(0), s, slot_mapping.contiguous(),
-                                               cache.shape[0] * page_size, out, PAGE_SIZE=page_size,
-                                               HKV=hkv, NB=nb, NBP=triton.next_power_of_2(nb), BH=bh, FMT=fmt,
-                                               INTERP=INTERPRET)
+    bt, hb, warps = _tiling(hkv, d)
+    _dequant_kernel[(triton.cdiv(t, bt), triton.cdiv(nbt, hb))](
+        c, cache.stride(0), s, slot_mapping.contiguous(), t, cache.shape[0] * page_size, out,
+        PAGE_SIZE=page_size, NBT=nbt, BT=bt, HB=hb, FMT=fmt, INTERP=INTERPRET, num_warps=warps)
     return out
