@@ -349,29 +349,75 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
   }
 }
 
-// grid (num_q_heads, batch); block head_dim threads: combine the partials of one query head.
+constexpr int kMergeThreads = 256;
+constexpr int kMaxParts = 1024;  // splits (<= 256) x partials per split (<= 4 warps)
+
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = nanmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kMergeThreads / 32; ++w) r = nanmax(r, scratch[w]);
+  __syncthreads();
+  return r;
+}
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float r = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kMergeThreads / 32; ++w) r += scratch[w];
+  __syncthreads();
+  return r;
+}
+
+constexpr int kMergeCols = 64;  // output columns per merge CTA; head_dim is a multiple
+
+// grid (num_q_heads, batch, head_dim / kMergeCols); block kMergeThreads: combine the partials of one query
+// head for 64 of its columns. Each part's weight is computed once per CTA (one thread per part), and the
+// columns are summed by kMergeThreads / 64 groups of threads over interleaved parts, so no thread walks the
+// whole list of splits and a long split list of few heads still spreads over many CTAs.
 template <typename O>
-__global__ void decode_merge_kernel(DecodeParams p, int parts) {
-  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+__global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParams p, int parts) {
+  constexpr int kGroups = kMergeThreads / kMergeCols;
+  __shared__ float w_s[kMaxParts];
+  __shared__ float o_s[kMergeThreads];
+  __shared__ float scratch[kMergeThreads / 32];
+  const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const int hd = p.head_dim;
   const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * parts;
   const float* ml = p.workspace + row * 2;
-  const float* acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2 + row * p.head_dim;
+  const float* acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2 + row * hd;
+
   float mx = -INFINITY;
-#pragma unroll 8
-  for (int i = 0; i < parts; ++i) mx = nanmax(mx, ml[2 * i]);
-  float L = 0.0f, o = 0.0f;
-  if (mx != -INFINITY) {  // else no key was visible (seq_len 0): the output is 0
-#pragma unroll 8  // independent loads in flight: a long split list must not serialize on their latency
-    for (int i = 0; i < parts; ++i) {
-      const float mi = ml[2 * i];
-      if (mi == -INFINITY) continue;
-      const float w = exp2f(mi - mx);
-      L += ml[2 * i + 1] * w;
-      o += acc[static_cast<int64_t>(i) * p.head_dim + d] * w;
-    }
+  for (int i = tid; i < parts; i += kMergeThreads) mx = nanmax(mx, ml[2 * i]);
+  mx = block_max(mx, scratch);  // -inf: no key was visible (seq_len 0), and the output is 0
+  float lsum = 0.0f;
+  for (int i = tid; i < parts; i += kMergeThreads) {
+    const float mi = ml[2 * i];
+    const float w = (mx == -INFINITY || mi == -INFINITY) ? 0.0f : exp2f(mi - mx);  // NaN stays NaN
+    w_s[i] = w;
+    lsum += ml[2 * i + 1] * w;
   }
-  const float r = L == 0.0f ? 0.0f : o / L;
-  static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(r);
+  const float L = block_sum(lsum, scratch);  // also makes w_s visible to the block
+
+  const int g = tid / kMergeCols, d = blockIdx.z * kMergeCols + tid % kMergeCols;
+  float o = 0.0f;
+#pragma unroll 4
+  for (int i = g; i < parts; i += kGroups) o += acc[static_cast<int64_t>(i) * hd + d] * w_s[i];
+  o_s[tid] = o;
+  __syncthreads();
+  if (tid < kMergeCols) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k) sum += o_s[k * kMergeCols + tid];
+    const float r = L == 0.0f ? 0.0f : sum / L;
+    static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(r);
+  }
 }
 
 }  // namespace detail
@@ -428,8 +474,10 @@ inline cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) 
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
         const int parts = p.num_splits * C::kWarps;
+        if (parts > detail::kMaxParts) return cudaErrorInvalidValue;
         return KVQ_DISPATCH_DTYPE(p.dtype, O, {
-          detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch), HD, 0, stream>>>(p, parts);
+          detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch, HD / detail::kMergeCols), detail::kMergeThreads, 0,
+                                           stream>>>(p, parts);
           return cudaGetLastError();
         });
       });

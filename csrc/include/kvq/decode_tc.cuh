@@ -520,7 +520,9 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     return KVQ_DISPATCH_DTYPE(p.dtype, O, {
-      detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch), hd, 0, stream>>>(p, p.num_splits);
+      if (p.num_splits > detail::kMaxParts) return cudaErrorInvalidValue;
+      detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch, hd / detail::kMergeCols), detail::kMergeThreads, 0,
+                                       stream>>>(p, p.num_splits);
       return cudaGetLastError();
     });
   });
