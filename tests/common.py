@@ -79,7 +79,9 @@ def backend_ops(name: str):
     """The four ops of one backend, called directly (so several backends can be compared in one process).
 
     ``reference`` and ``triton`` are Python modules; ``cuda`` is the compiled kernels behind ``torch.ops.kvq``
-    (only when ``kvq._C`` is the active CUDA backend); ``cuda-fma`` the same with the FMA decode kernel.
+    (only when ``kvq._C`` is the active CUDA backend); ``cuda-fma`` the same with the FMA decode kernel;
+    ``cuda-wide`` / ``cuda-deep`` with the extend kernel held to one CTA shape (the rule picks by CTA count,
+    so small test shapes would otherwise only reach one).
     """
     import pytest
 
@@ -93,11 +95,32 @@ def backend_ops(name: str):
         from kvq import triton_backend
 
         return triton_backend
-    if name in ("cuda", "cuda-fma"):
+    if name in ("cuda", "cuda-fma", "cuda-wide", "cuda-deep"):
         if backends.selection().active != "cuda":
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
-        return torch.ops.kvq if name == "cuda" else _FmaDecode()
+        if name == "cuda":
+            return torch.ops.kvq
+        return _FmaDecode() if name == "cuda-fma" else _ExtendShape(name.split("-")[1])
     raise ValueError(name)
+
+
+class _ExtendShape:
+    """torch.ops.kvq with extend_attention held to one CTA shape of the CUDA kernel ('wide' or 'deep')."""
+
+    def __init__(self, shape: str):
+        self.shape = shape
+
+    def __getattr__(self, name):
+        return getattr(torch.ops.kvq, name)
+
+    def extend_attention(self, *args, **kwargs):
+        from kvq import _C
+
+        prev = _C.set_extend_shape(self.shape)
+        try:
+            return torch.ops.kvq.extend_attention(*args, **kwargs)
+        finally:
+            _C.set_extend_shape(prev)
 
 
 class _FmaDecode:

@@ -20,6 +20,7 @@ from common import FORMATS, backend_ops, cache_dtype, poison_, random_paged, rel
 
 BACKENDS = ["triton", "cuda"]
 DECODE_BACKENDS = BACKENDS + ["cuda-fma"]  # the CUDA decode has a tensor-core and an FMA kernel
+EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep"]  # and its extend two CTA shapes
 FLOOR = 1e-5
 
 
@@ -200,7 +201,7 @@ EXTEND_CPU = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_lens
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", EXTEND_BACKENDS)
 @pytest.mark.parametrize("case", EXTEND_CPU, ids=_ids)
 def test_extend(backend, case):
     check_extend(backend, *case)
@@ -211,7 +212,7 @@ EXTEND_GPU = [(fmt, d, i % 3 != 2, *_COMBOS[i % len(_COMBOS)])  # (format, head_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", EXTEND_BACKENDS)
 @pytest.mark.parametrize("case", EXTEND_GPU, ids=_ids)
 def test_extend_gpu(backend, case):
     fmt, d, causal, g, page, window, cap = case

@@ -25,10 +25,16 @@ DEV = "cuda"
 RAGGED = [(0, 1), (17, 2), (64, 31), (0, 32), (5, 33), (100, 63), (1, 64), (300, 65), (33, 130), (0, 0), (40, 3)]
 
 
-@pytest.fixture(autouse=True)
-def _cuda_active():
+@pytest.fixture(autouse=True, params=["auto", "wide", "deep"])
+def _cuda_active(request):
+    """Every test runs with the CTA shape picked by the rule, and held to each of the two shapes."""
     if backends.selection().active != "cuda":
         pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
+    from kvq import _C
+
+    prev = _C.set_extend_shape(request.param)
+    yield
+    _C.set_extend_shape(prev)
 
 
 def make_case(seqs, hq, hkv, d, fmt, dtype, page_size, scale=1.0):

@@ -1,4 +1,5 @@
-"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels.
+"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels and both
+extend CTA shapes.
 
     compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py      # out-of-range slots and pages
     compute-sanitizer --tool initcheck python csrc/tools/memcheck_smoke.py --full
@@ -56,7 +57,12 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         qx = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
         kx, vx = torch.randn(2, t, hkv, d, dtype=torch.bfloat16, device=dev).unbind(0)
         outx = torch.empty_like(qx)
-        torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
-        torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
+        for shape in ("wide", "deep") if hasattr(_C, "set_extend_shape") else ("",):
+            if shape:
+                _C.set_extend_shape(shape)
+            torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
+            torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
+        if hasattr(_C, "set_extend_shape"):
+            _C.set_extend_shape("auto")
 torch.cuda.synchronize()
 print(f"memcheck smoke ({'all slots written' if full else 'out-of-range indices'}): ok")

@@ -16,16 +16,6 @@ std::atomic<int> g_decode_kernel{0};
 // group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
 constexpr int kTensorCoreGroup = 1;
 
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device < 0 || device >= 64) return 132;
-  if (cached[device] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
-    cached[device] = n;
-  }
-  return cached[device];
-}
 }  // namespace
 
 int kvq_set_decode_kernel(int choice) { return g_decode_kernel.exchange(choice); }

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 
@@ -10,6 +11,12 @@
 #include "ops.h"
 
 using namespace kvq_torch;
+
+namespace {
+std::atomic<int> g_extend_shape{0};
+}  // namespace
+
+int kvq_set_extend_shape(int choice) { return g_extend_shape.exchange(choice); }
 
 void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num_q_heads, head_dim] bf16/fp16
                            const at::Tensor& key,      // [total_new_tokens, num_kv_heads, head_dim] query dtype
@@ -98,6 +105,8 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   p.logit_softcap = static_cast<float>(logit_softcap);
   p.format = to_format(k_cache.scalar_type());
   p.dtype = to_dtype(dtype);
+  p.num_sms = sm_count(dev.index());
+  p.shape = g_extend_shape.load();
 
   const cudaError_t e = kvq::extend_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: kernel launch failed: ", cudaGetErrorString(e));

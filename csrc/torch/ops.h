@@ -36,6 +36,7 @@ at::Tensor dequantize_cuda(const at::Tensor& cache, const std::optional<at::Tens
 // Which decode kernel serves decode_attention: 0 = by rule (tensor cores for GQA groups of 4 or more),
 // 1 = the FMA kernel, 2 = the tensor-core kernel. Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_kernel(int choice);
+int kvq_set_extend_shape(int choice);
 
 // The architectures this extension was compiled for, e.g. "8.9;9.0;12.0".
 const char* kvq_cuda_archs();
@@ -79,6 +80,18 @@ inline kvq::Format to_format(at::ScalarType t) {
   if (t == at::kChar) return kvq::Format::kQ8_0;
   if (t == at::kFloat8_e4m3fn) return kvq::Format::kFp8E4M3;
   return kvq::Format::kSame;
+}
+
+// Multiprocessors of a device (cached; 132 if the query fails): sizes split counts and CTA shapes.
+inline int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) return 132;
+  if (cached[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
+    cached[device] = n;
+  }
+  return cached[device];
 }
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }

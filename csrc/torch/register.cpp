@@ -28,9 +28,26 @@ static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
   return nullptr;
 }
 
+#ifdef KVQ_HAS_EXTEND
+static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
+  const char* names[] = {"auto", "wide", "deep"};
+  const char* want = PyUnicode_AsUTF8(arg);
+  if (want == nullptr) return nullptr;
+  for (int i = 0; i < 3; ++i) {
+    if (std::string(want) == names[i]) return PyUnicode_FromString(names[kvq_set_extend_shape(i)]);
+  }
+  PyErr_Format(PyExc_ValueError, "extend CTA shape must be 'auto', 'wide' or 'deep', got '%s'", want);
+  return nullptr;
+}
+#endif
+
 static PyMethodDef kMethods[] = {
     {"set_decode_kernel", set_decode_kernel, METH_O,
      "Choose the CUDA decode kernel: 'auto' (by GQA group size), 'fma' or 'tc' (tensor cores); returns the previous."},
+#ifdef KVQ_HAS_EXTEND
+    {"set_extend_shape", set_extend_shape, METH_O,
+     "Choose the CTA shape of the CUDA extend kernel: 'auto' (by CTA count), 'wide' or 'deep'; returns the previous."},
+#endif
     {"cuda_archs", cuda_archs, METH_NOARGS, "The CUDA architectures compiled in, e.g. '8.9;9.0;12.0'."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -7,18 +7,20 @@
 // pages) and to the new keys of its own sequence (exact, query dtype); causal keeps keys at positions
 // <= its own, a window keeps keys at positions >= p - window_left, softcap maps s to cap * tanh(s / cap).
 //
-// Work split. One CTA = 4 warps = BLOCK_M rows, where a "row" is one (token, q head) pair of one kv
-// head: the G = Hq / Hkv q heads of a token are packed next to each other, so every K/V tile read (and
-// dequantized) once serves all G heads. A warp owns 32 rows (two m16 tiles; 16 at head_dim 256, where O
-// would not fit in registers twice), so each K/V fragment it loads from shared memory feeds two mmas:
-// with one m-tile per warp the ldmatrix traffic, not the tensor cores, bounds the kernel. Sequence b owns the row blocks starting at
-// (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (cdiv(total * G, BLOCK_M) + B, Hkv) depends on shapes
-// only, and each CTA finds its sequence by binary search, so the launch is CUDA-graph capturable.
+// Work split. A CTA owns BLOCK_M = 128 rows (64 at head_dim 256), where a "row" is one (token, q head)
+// pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each other, so every K/V
+// tile read (and dequantized) once serves all G heads. Two CTA shapes: "wide", 4 warps of 32 rows (two
+// m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas) and "deep", 8 warps of 16 rows
+// (more warps to hide latency when there are too few CTAs for two per SM); launch_shape picks by CTA
+// count. Sequence b owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid
+// (cdiv(total * G, BLOCK_M) + B, Hkv) depends on shapes only, and each CTA finds its sequence by binary
+// search, so the launch is CUDA-graph capturable.
 //
-// Pipeline per K/V tile (BLOCK_N keys): K(j) in smem -> issue V(j) loads -> S = Q K^T -> online softmax
-// -> V(j) in smem -> issue K(j+1) loads -> O += P V. Unquantized rows travel by cp.async; 8-bit rows
-// are loaded into registers when issued and dequantized into smem when committed, so the global load
-// latency hides behind the tensor-core work and the mma loop is the same for every format.
+// Pipeline: two stages of K/V tiles (BLOCK_N keys) in shared memory, one barrier per tile. While tile j
+// is computed (S = Q K^T, online softmax, O += P V) the copies of tile j + 1 are in flight: rows in the
+// query dtype (an unquantized cache, or the new keys) by cp.async straight into the tile; 8-bit rows and
+// their scale words by cp.async into a staging area, dequantized by the thread that copied them once its
+// copies land. The block-table entries of tile j + 2 are read meanwhile, so no copy waits on the table.
 #pragma once
 
 #include <cmath>
@@ -53,6 +55,8 @@ struct ExtendParams {
   const int32_t* prefix_lens = nullptr;   // [batch], tokens already in the cache
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], new tokens of sequence b: [cu[b], cu[b + 1])
   int batch = 0, total_q = 0, num_q_heads = 0;
+  int num_sms = 1;  // of the device: picks the CTA shape
+  int shape = 0;    // CTA shape: 0 by the rule below, 1 wide, 2 deep
   float sm_scale = 1.0f;
   bool causal = true;
   int window_left = -1;      // -1: none
@@ -72,14 +76,29 @@ struct Cfg {
   static constexpr int kThreads = W * 32;
   static constexpr int kBlockM = W * 16 * MT;
 };
-// d256 keeps one m-tile and 32-key tiles, so that O (128 fp32 per thread) and S stay in registers.
-template <int D>
-using DefaultCfg = Cfg<D, D <= 128 ? 64 : 32, D <= 128 ? 2 : 1, 4>;
+// The "wide" CTA: 4 warps of two m-tiles (one at d256, so that O, 128 fp32 per thread, and S stay in
+// registers). Key tiles of 64 at d64 and 32 above (64 at d128 spills), 16 for an 8-bit d256 cache so that
+// two stages fit the 99 KB of shared memory of sm_89 and sm_120.
+template <typename S, int D>
+using WideCfg = Cfg<D, D == 64 ? 64 : (D == 256 && StorageTraits<S>::kQuantized ? 16 : 32), D <= 128 ? 2 : 1, 4>;
 
-// Q, K and V tiles in T, then the 8-bit staging area.
+// Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
+// words, each written and read back by the same thread; two tiles' worth of page numbers.
 template <typename S, typename C>
-constexpr size_t kSmemBytes = size_t(C::kBlockM + 2 * C::kBlockN) * C::kD * 2 +
-                              (StorageTraits<S>::kQuantized ? C::kBlockN * C::kD : 0);
+struct Smem {
+  static constexpr bool kQuant = StorageTraits<S>::kQuantized;
+  static constexpr int kNB = C::kD / 32;
+  static constexpr int kTile = C::kBlockN * C::kD * 2;        // a K or V tile in T
+  static constexpr int kStage = 2 * kTile;
+  static constexpr int kRaw = kQuant ? C::kBlockN * C::kD : 0;  // K or V raw rows
+  static constexpr int kScales = kQuant ? C::kBlockN * C::kD / 16 * 4 : 0;  // one word per 16-byte chunk
+  static constexpr int kQ = 0;
+  static constexpr int kStages = kQ + C::kBlockM * C::kD * 2;  // stage s: K at kStages + s * kStage, then V
+  static constexpr int kRawOff = kStages + 2 * kStage;          // K raw, V raw, K scale words, V scale words
+  static constexpr int kPages = kRawOff + 2 * kRaw + 2 * kScales;
+  static constexpr int kBytes = kPages + 2 * C::kBlockN * 4;
+  static constexpr bool kFits = kBytes <= 99 * 1024;  // the shared memory of a CTA on sm_89 and sm_120
+};
 
 // q / d and q % d for 0 <= q < 2^31 with a multiply (page_size is runtime and not a power of two).
 struct FastDivmod {
@@ -127,131 +146,139 @@ struct LdmAddr {
 };
 
 // ------------------------------------------------------------------------------------ K/V tile loads
-// One thread's share of an 8-bit tile between issue and commit: its 16-byte chunks travel by cp.async
-// into a staging area (BLOCK_N * D bytes, chunk `it` of thread `tid` at (it * kThreads + tid) * 16, read
-// back by the same thread), their block scales in registers. Staging in registers instead would cost 16
-// more registers per thread, which at two m-tiles per warp spill.
-template <typename C, bool kQuant>
-struct Staged {
-  static constexpr int kCpr = C::kD / 16;           // 16-element chunks per row
-  static constexpr int kRpp = C::kThreads / kCpr;  // rows per pass
-  static constexpr int kIters = C::kBlockN / kRpp;
-  uint32_t stage;  // shared-memory address of the staging area
-  uint16_t scale[kQuant ? kIters : 1];
-};
-
 struct SeqInfo {
   int b, prefix, n_new, q_start, kv_len, h_kv;
 };
 
-// Issue the loads of keys [n0, n0 + BLOCK_N) of one tensor (K or V) into `tile`: rows in the query dtype
-// (cache of the same dtype, or new keys) by cp.async, 8-bit rows into `st`'s staging area. Rows at or past kv_len and
-// rows whose page lies outside [0, num_pages) become zeros.
+// Page of cached key kpos (< prefix) from the block table, or -1 when the table holds none or a page outside
+// [0, num_pages). Looked up one tile ahead of the loads that need it, so a load never waits on the table.
+template <typename S>
+__device__ __forceinline__ int lookup_page(const paged_kv_t<S>& cache, const SeqInfo& s, const FastDivmod& pdm,
+                                           int kpos) {
+  if (kpos >= s.prefix) return -1;
+  int idx, off;
+  pdm.divmod(kpos, idx, off);
+  const int page = idx < cache.max_pages ? __ldg(cache.block_table + s.b * cache.block_table_stride + idx) : -1;
+  return cache.valid_page(page) ? page : -1;
+}
+
+// Issue the copies of keys [n0, n0 + BLOCK_N) of K and V into one stage: rows in the query dtype (cache of
+// the same dtype, or new keys) straight into the T tiles, 8-bit rows and their scales into the raw area.
+// `pages` holds the page of each row (from lookup_page). Rows at or past kv_len and rows of an invalid
+// page become zeros.
 template <typename T, typename S, typename C>
-__device__ __forceinline__ void issue_tile(const paged_kv_t<S>& cache, const SeqInfo& s, const FastDivmod& pdm,
-                                           int n0, const S* values, int64_t page_stride, const uint16_t* scales,
-                                           const T* fresh, int64_t f_stride_tok, int64_t f_stride_head,
-                                           uint32_t tile, Staged<C, StorageTraits<S>::kQuantized>& st) {
+__device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv_t<S>& cache, const SeqInfo& s,
+                                           const FastDivmod& pdm, int n0, uint32_t stage, uint32_t raw,
+                                           const int* pages) {
+  using L = Smem<S, C>;
   constexpr int D = C::kD, BN = C::kBlockN, kThreads = C::kThreads;
   constexpr bool kQuant = StorageTraits<S>::kQuantized;
   const int tid = threadIdx.x;
-  const int32_t* table = cache.block_table + s.b * cache.block_table_stride;
-
-  // Key position kpos < prefix -> (element offset of its row in `values`, its slot), or -1.
-  auto cache_row = [&](int kpos, int64_t& slot) -> int64_t {
+  const T* k_new = static_cast<const T*>(p.key);
+  const T* v_new = static_cast<const T*>(p.value);
+  auto fresh = [&](const T* base, int64_t st_tok, int64_t st_head, int kpos) {
+    return base + int64_t(s.q_start + kpos - s.prefix) * st_tok + s.h_kv * st_head;
+  };
+  // Element offset of cached row kpos within a page-major plane (valid page).
+  auto cached = [&](int page, int kpos, int64_t page_stride) {
     int idx, off;
     pdm.divmod(kpos, idx, off);
-    const int page = idx < cache.max_pages ? __ldg(table + idx) : -1;
-    if (!cache.valid_page(page)) return -1;
-    slot = int64_t(page) * cache.page_size + off;
     return int64_t(page) * page_stride + (int64_t(off) * cache.num_kv_heads + s.h_kv) * D;
   };
-  auto fresh_row = [&](int kpos) {
-    return fresh + int64_t(s.q_start + kpos - s.prefix) * f_stride_tok + s.h_kv * f_stride_head;
-  };
 
-  if constexpr (!kQuant) {
+  // Rows in T: 16-byte chunks, kCpr per row.
+  {
     constexpr int kCpr = D / 8, kRpp = kThreads / kCpr;
     const int c = tid % kCpr;
 #pragma unroll
     for (int it = 0; it < BN / kRpp; ++it) {
       const int r = tid / kCpr + it * kRpp;
       const int kpos = n0 + r;
-      const T* src = fresh;
+      if (kQuant && kpos < s.prefix) continue;  // 8-bit: below
+      const T *ksrc = k_new, *vsrc = v_new;
       int bytes = 0;
       if (kpos < s.prefix) {
-        int64_t slot;
-        const int64_t e = cache_row(kpos, slot);
-        if (e >= 0) src = reinterpret_cast<const T*>(values) + e + c * 8, bytes = 16;
-      } else if (kpos < s.kv_len) {
-        src = fresh_row(kpos) + c * 8, bytes = 16;
-      }
-      cp_async16(tile + swz<D>(r, c), src, bytes);
-    }
-  } else {
-    if (n0 < s.prefix) {  // 8-bit rows: into the staging area, dequantized at commit
-      using St = Staged<C, true>;
-      const int c = tid % St::kCpr;
-#pragma unroll
-      for (int it = 0; it < St::kIters; ++it) {
-        const int kpos = n0 + tid / St::kCpr + it * St::kRpp;
-        const void* src = values;
-        int bytes = 0;
-        st.scale[it] = 0;
-        if (kpos < s.prefix) {
-          int64_t slot;
-          const int64_t e = cache_row(kpos, slot);
-          if (e >= 0) {
-            src = reinterpret_cast<const uint8_t*>(values) + e + c * 16, bytes = 16;
-            st.scale[it] = __ldg(scales + cache.scale_offset(slot, s.h_kv) + c / 2);
-          }
+        const int page = pages[r];
+        if (page >= 0) {
+          const int64_t e = cached(page, kpos, p.k_stride_page);
+          const int64_t ev = cached(page, kpos, p.v_stride_page);
+          ksrc = static_cast<const T*>(p.k_cache) + e + c * 8, vsrc = static_cast<const T*>(p.v_cache) + ev + c * 8;
+          bytes = 16;
         }
-        cp_async16(st.stage + uint32_t((it * kThreads + tid) * 16), src, bytes);
+      } else if (kpos < s.kv_len) {
+        ksrc = fresh(k_new, p.k_stride_tok, p.k_stride_head, kpos) + c * 8;
+        vsrc = fresh(v_new, p.v_stride_tok, p.v_stride_head, kpos) + c * 8;
+        bytes = 16;
       }
+      cp_async16(stage + swz<D>(r, c), ksrc, bytes);
+      cp_async16(stage + L::kTile + swz<D>(r, c), vsrc, bytes);
     }
-    if (n0 + BN > s.prefix) {  // new rows (exact, query dtype) and the zero tail
-      constexpr int kCpr = D / 8, kRpp = kThreads / kCpr;
+  }
+  if constexpr (kQuant) {
+    if (n0 < s.prefix) {  // 8-bit rows: 16-byte chunks of 16 elements, each with the scale word it needs
+      constexpr int kCpr = D / 16, kRpp = kThreads / kCpr;
       const int c = tid % kCpr;
+      const uint32_t scl = raw + 2 * L::kRaw;
 #pragma unroll
       for (int it = 0; it < BN / kRpp; ++it) {
         const int r = tid / kCpr + it * kRpp;
         const int kpos = n0 + r;
-        if (kpos < s.prefix) continue;
-        const bool ok = kpos < s.kv_len;
-        cp_async16(tile + swz<D>(r, c), ok ? fresh_row(kpos) + c * 8 : fresh, ok ? 16 : 0);
+        if (kpos >= s.prefix) continue;
+        const int page = pages[r];
+        const uint8_t* kb = static_cast<const uint8_t*>(p.k_cache);
+        const uint8_t* vb = static_cast<const uint8_t*>(p.v_cache);
+        int64_t ke = 0, ve = 0, so = 0;
+        const int bytes = page >= 0 ? 16 : 0;
+        if (page >= 0) {
+          ke = cached(page, kpos, p.k_stride_page), ve = cached(page, kpos, p.v_stride_page);
+          int idx, off;
+          pdm.divmod(kpos, idx, off);
+          so = cache.scale_offset(int64_t(page) * cache.page_size + off, s.h_kv);
+        }
+        // Chunk it of this thread at (it * kThreads + tid) * 16; its scale (block c / 2) in the 4-byte word
+        // holding blocks 2 (c / 4) and 2 (c / 4) + 1 (a row's scales start 4-byte aligned: kNB is even).
+        const uint32_t slot = uint32_t(it * kThreads + tid);
+        cp_async16(raw + slot * 16, kb + ke + c * 16, bytes);
+        cp_async16(raw + L::kRaw + slot * 16, vb + ve + c * 16, bytes);
+        cp_async_small<4>(scl + slot * 4, p.k_scale + so + 2 * (c / 4), page >= 0 ? 4 : 0);
+        cp_async_small<4>(scl + L::kScales + slot * 4, p.v_scale + so + 2 * (c / 4), page >= 0 ? 4 : 0);
       }
     }
   }
-  cp_async_commit();
 }
 
-// Finish the loads of issue_tile: wait for the async copies and dequantize the staged 8-bit rows into
-// `tile` (x' = float(q) * scale, rounded once to T). The caller synchronizes the CTA afterwards.
+// Dequantize this thread's 8-bit chunks of the tile issued last into the T tiles of `stage` (x' = float(q) *
+// scale, rounded once to T). Only the thread's own copies are read, so its wait for them is enough; the
+// caller synchronizes the CTA before the tile is used.
 template <typename T, typename S, typename C>
-__device__ __forceinline__ void commit_tile(const SeqInfo& s, int n0, uint32_t tile,
-                                            const Staged<C, StorageTraits<S>::kQuantized>& st) {
-  constexpr int D = C::kD, kThreads = C::kThreads;
-  cp_async_wait_all();
-  if constexpr (StorageTraits<S>::kQuantized) {
-    if (n0 < s.prefix) {
-      using St = Staged<C, true>;
-      const int tid = threadIdx.x;
-      const int c = tid % St::kCpr;
+__device__ __forceinline__ void dequant_tile(const SeqInfo& s, int n0, uint32_t stage, uint32_t raw) {
+  using L = Smem<S, C>;
+  constexpr int D = C::kD, BN = C::kBlockN, kThreads = C::kThreads;
+  if (n0 >= s.prefix) return;
+  constexpr int kCpr = D / 16, kRpp = kThreads / kCpr;
+  const int tid = threadIdx.x, c = tid % kCpr;
+  const uint32_t scl = raw + 2 * L::kRaw;
 #pragma unroll
-      for (int it = 0; it < St::kIters; ++it) {
-        const int r = tid / St::kCpr + it * St::kRpp;
-        if (n0 + r >= s.prefix) continue;
-        uint4 raw;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                     : "r"(st.stage + uint32_t((it * kThreads + tid) * 16)));
-        uint32_t w[8];
-        dequant16<T, S>(raw, st.scale[it], w);
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c)), "r"(w[0]),
-                     "r"(w[1]), "r"(w[2]), "r"(w[3]));
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c + 1)), "r"(w[4]),
-                     "r"(w[5]), "r"(w[6]), "r"(w[7]));
-      }
+  for (int it = 0; it < BN / kRpp; ++it) {
+    const int r = tid / kCpr + it * kRpp;
+    if (n0 + r >= s.prefix) continue;
+    const uint32_t slot = uint32_t(it * kThreads + tid);
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      uint4 q;
+      uint32_t word;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                   : "r"(raw + kv * L::kRaw + slot * 16));
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(word) : "r"(scl + kv * L::kScales + slot * 4));
+      const uint16_t sc = uint16_t((c / 2) % 2 ? word >> 16 : word & 0xFFFFu);
+      uint32_t w[8];
+      dequant16<T, S>(q, sc, w);
+      const uint32_t tile = stage + kv * L::kTile;
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c)), "r"(w[0]),
+                   "r"(w[1]), "r"(w[2]), "r"(w[3]));
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c + 1)), "r"(w[4]),
+                   "r"(w[5]), "r"(w[6]), "r"(w[7]));
     }
   }
 }
@@ -260,12 +287,12 @@ __device__ __forceinline__ void commit_tile(const SeqInfo& s, int n0, uint32_t t
 template <typename T, typename S, typename C>
 __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDivmod& pdm) {
   constexpr int D = C::kD, BN = C::kBlockN, BM = C::kBlockM, MT = C::kMTiles, kThreads = C::kThreads;
+  using L = Smem<S, C>;
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t sQ = smem_addr(smem);
-  const uint32_t sK = sQ + BM * D * 2;
-  const uint32_t sV = sK + BN * D * 2;
-  Staged<C, StorageTraits<S>::kQuantized> st;
-  st.stage = sV + BN * D * 2;
+  const uint32_t sQ = smem_addr(smem) + L::kQ;
+  const uint32_t sK = smem_addr(smem) + L::kStages;  // stage st: K at sK + st * kStage, V kTile further
+  const uint32_t sV = sK + L::kTile;
+  int* pages = reinterpret_cast<int*>(smem + L::kPages);  // [2][BN]: page of each row of the next two tiles
 
   const paged_kv_t<S> cache(p.num_pages, p.page_size, p.num_kv_heads, D, p.k_stride_page, p.v_stride_page,
                             p.block_table, p.block_table_stride, p.max_pages, p.prefix_lens);
@@ -339,11 +366,6 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const LdmAddr<D> k_addr(sK, (lane & 7) + (mi >> 1) * 8, mi & 1);
   const uint32_t q_off = sQ + uint32_t(wrow * D * 2) - sV;
 
-  const S* k_values = static_cast<const S*>(p.k_cache);
-  const S* v_values = static_cast<const S*>(p.v_cache);
-  const T* k_new = static_cast<const T*>(p.key);
-  const T* v_new = static_cast<const T*>(p.value);
-
   float o[MT][D / 8][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -356,18 +378,32 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const float s_mul = softcap ? p.sm_scale / p.logit_softcap : p.sm_scale * kLog2e;
   const float cap_log2 = p.logit_softcap * kLog2e;
 
+  // Two-stage pipeline with one barrier per tile: tile j + 1 is in flight while tile j is computed; after
+  // its mmas each thread waits for its own copies of tile j + 1 and dequantizes its own 8-bit chunks of it
+  // (overlapping the warps still computing), and the barrier at the top of the next iteration publishes
+  // the tile. The pages of tile j + 2 are looked up meanwhile, so no copy waits on the block table.
+  const uint32_t sRaw = smem_addr(smem) + L::kRawOff;
+  if (tid < BN) {
+    pages[(j_begin & 1) * BN + tid] = lookup_page(cache, s, pdm, j_begin * BN + tid);
+    pages[((j_begin + 1) & 1) * BN + tid] = lookup_page(cache, s, pdm, (j_begin + 1) * BN + tid);
+  }
+  __syncthreads();
   if (j_begin < j_end)
-    issue_tile<T, S, C>(cache, s, pdm, j_begin * BN, k_values, p.k_stride_page, p.k_scale, k_new, p.k_stride_tok,
-                        p.k_stride_head, sK, st);
-  else
-    cp_async_commit();
+    issue_tile<T, S, C>(p, cache, s, pdm, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw, pages + (j_begin & 1) * BN);
+  cp_async_commit();  // with the Q tile
+  cp_async_wait_all();
+  if constexpr (L::kQuant) {
+    if (j_begin < j_end) dequant_tile<T, S, C>(s, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw);
+  }
 
   for (int j = j_begin; j < j_end; ++j) {
     const int n0 = j * BN;
-    commit_tile<T, S, C>(s, n0, sK, st);
-    __syncthreads();  // K(j) visible; every warp is past O += P V(j - 1), so V's buffer is free
-    issue_tile<T, S, C>(cache, s, pdm, n0, v_values, p.v_stride_page, p.v_scale, v_new, p.v_stride_tok,
-                        p.v_stride_head, sV, st);
+    const uint32_t kv_off = (j & 1) * L::kStage;
+    __syncthreads();  // tile j complete for every thread; every warp is past tile j - 1, so its stage is free
+    if (j + 1 < j_end)
+      issue_tile<T, S, C>(p, cache, s, pdm, n0 + BN, sK + ((j + 1) & 1) * L::kStage, sRaw, pages + ((j + 1) & 1) * BN);
+    cp_async_commit();
+    const int next_page = tid < BN ? lookup_page(cache, s, pdm, n0 + 2 * BN + tid) : -1;
 
     // S = Q K^T for this warp's 16 * MT rows x BN keys; each K fragment serves every m-tile.
     float sc[MT][BN / 8][4];
@@ -383,7 +419,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 #pragma unroll
       for (int nb = 0; nb < BN / 16; ++nb) {
         uint32_t b0, b1, b2, b3;
-        ldmatrix_x4(k_addr.at(kk, nb * 16), b0, b1, b2, b3);
+        ldmatrix_x4(k_addr.at(kk, nb * 16) + kv_off, b0, b1, b2, b3);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<T>(sc[mt][2 * nb], a[mt], b0, b1);
@@ -453,12 +489,6 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
       }
     }
 
-    commit_tile<T, S, C>(s, n0, sV, st);
-    __syncthreads();  // V(j) visible; every warp is past S = Q K(j)^T, so K's buffer is free
-    if (j + 1 < j_end)
-      issue_tile<T, S, C>(cache, s, pdm, n0 + BN, k_values, p.k_stride_page, p.k_scale, k_new, p.k_stride_tok,
-                          p.k_stride_head, sK, st);
-
     // O += P V, with P rounded to T as the A operand (as a same-precision PyTorch P @ V would); each V
     // fragment serves every m-tile.
 #pragma unroll
@@ -474,7 +504,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 #pragma unroll
       for (int db = 0; db < D / 16; ++db) {
         uint32_t b0, b1, b2, b3;
-        ldmatrix_x4_trans(qv_addr.at(db, kk * 16), b0, b1, b2, b3);
+        ldmatrix_x4_trans(qv_addr.at(db, kk * 16) + kv_off, b0, b1, b2, b3);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<T>(o[mt][2 * db], a[mt], b0, b1);
@@ -482,8 +512,12 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
         }
       }
     }
+    if (tid < BN) pages[(j & 1) * BN + tid] = next_page;  // tile j + 2's stage; read after the next barrier
+    cp_async_wait_all();
+    if constexpr (L::kQuant) {
+      if (j + 1 < j_end) dequant_tile<T, S, C>(s, n0 + BN, sK + ((j + 1) & 1) * L::kStage, sRaw);
+    }
   }
-  cp_async_wait_all();  // the Q copy, had there been no tile
 
   // Epilogue: normalize, stage this warp's rows in its own rows of sQ (only this warp ever read them),
   // then store whole 16-byte chunks.
@@ -535,7 +569,8 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   constexpr int BM = C::kBlockM;
   const int64_t blocks = (int64_t(p.total_q) * G + BM - 1) / BM + p.batch;
   if (blocks > 0x7fffffff || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
-  constexpr size_t smem = kSmemBytes<S, C>;
+  static_assert(Smem<S, C>::kFits, "extend: a CTA must fit the shared memory of sm_89 and sm_120");
+  constexpr size_t smem = Smem<S, C>::kBytes;
   cudaError_t err =
       cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
@@ -544,9 +579,26 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Two shapes of CTA, both of 128 rows for head_dim <= 128: "wide" (4 warps of two m-tiles; fewer shared
+// memory reads per mma, two CTAs per SM) and "deep" (8 warps of one m-tile; twice the warps to hide
+// latency). With fewer CTAs than two per SM (short chunks, few heads) deep wins: on an H200, 512 new tokens
+// over an 8k prefix (32/8 heads, d128) took 334 us deep and 594 us wide; with 4x the CTAs wide wins.
+template <typename T, typename S, int D>
+cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
+  using Wide = WideCfg<S, D>;
+  if constexpr (D <= 128) {
+    using Deep = Cfg<D, Smem<S, Cfg<D, 64, 1, 8>>::kFits ? 64 : 32, 1, 8>;
+    static_assert(Deep::kBlockM == Wide::kBlockM, "the same rows per CTA");
+    const int64_t G = p.num_q_heads / p.num_kv_heads;
+    const int64_t ctas = ((int64_t(p.total_q) * G + Wide::kBlockM - 1) / Wide::kBlockM + p.batch) * p.num_kv_heads;
+    if (p.shape == 2 || (p.shape == 0 && ctas < 2 * int64_t(p.num_sms))) return launch<T, S, Deep>(p, stream);
+  }
+  return launch<T, S, Wide>(p, stream);
+}
+
 template <typename T, typename S>
 cudaError_t launch_head_dim(const ExtendParams& p, cudaStream_t stream) {
-  return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, return launch<T, S, DefaultCfg<HD>>(p, stream););
+  return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, return launch_shape<T, S, HD>(p, stream););
 }
 
 }  // namespace extend_detail
