@@ -100,41 +100,29 @@ def backend_ops(name: str):
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
         if name == "cuda":
             return torch.ops.kvq
-        return _FmaDecode() if name == "cuda-fma" else _ExtendShape(name.split("-")[1])
+        if name == "cuda-fma":
+            return _Pinned("decode_attention", "set_decode_kernel", "fma")
+        return _Pinned("extend_attention", "set_extend_shape", name.split("-")[1])
     raise ValueError(name)
 
 
-class _ExtendShape:
-    """torch.ops.kvq with extend_attention held to one CTA shape of the CUDA kernel ('wide' or 'deep')."""
+class _Pinned:
+    """torch.ops.kvq with one op run under a pinned kernel choice of kvq._C (the FMA decode kernel, or one extend
+    CTA shape): the rules pick by shape, and every kernel must be right for every shape."""
 
-    def __init__(self, shape: str):
-        self.shape = shape
-
-    def __getattr__(self, name):
-        return getattr(torch.ops.kvq, name)
-
-    def extend_attention(self, *args, **kwargs):
-        from kvq import _C
-
-        prev = _C.set_extend_shape(self.shape)
-        try:
-            return torch.ops.kvq.extend_attention(*args, **kwargs)
-        finally:
-            _C.set_extend_shape(prev)
-
-
-class _FmaDecode:
-    """torch.ops.kvq with decode_attention served by the CUDA FMA kernel instead of the tensor-core one
-    (the rule picks one by GQA group size; both must be right for every shape)."""
+    def __init__(self, op: str, setter: str, choice: str):
+        self.op, self.setter, self.choice = op, setter, choice
 
     def __getattr__(self, name):
-        return getattr(torch.ops.kvq, name)
-
-    def decode_attention(self, *args, **kwargs):
+        if name != self.op:
+            return getattr(torch.ops.kvq, name)
         from kvq import _C
 
-        prev = _C.set_decode_kernel("fma")
-        try:
-            return torch.ops.kvq.decode_attention(*args, **kwargs)
-        finally:
-            _C.set_decode_kernel(prev)
+        def call(*args, **kwargs):
+            prev = getattr(_C, self.setter)(self.choice)
+            try:
+                return getattr(torch.ops.kvq, name)(*args, **kwargs)
+            finally:
+                getattr(_C, self.setter)(prev)
+        return call
+

@@ -17,27 +17,26 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
 
 static PyObject* cuda_archs(PyObject*, PyObject*) { return PyUnicode_FromString(kvq_cuda_archs()); }
 
-static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
-  const char* names[] = {"auto", "fma", "tc"};
+// A choice by name among three, passed to `set` by index; returns the name of the previous choice.
+static PyObject* choose(PyObject* arg, const char* const (&names)[3], int (*set)(int), const char* what) {
   const char* want = PyUnicode_AsUTF8(arg);
   if (want == nullptr) return nullptr;
   for (int i = 0; i < 3; ++i) {
-    if (std::string(want) == names[i]) return PyUnicode_FromString(names[kvq_set_decode_kernel(i)]);
+    if (std::string(want) == names[i]) return PyUnicode_FromString(names[set(i)]);
   }
-  PyErr_Format(PyExc_ValueError, "decode kernel must be 'auto', 'fma' or 'tc', got '%s'", want);
+  PyErr_Format(PyExc_ValueError, "%s must be '%s', '%s' or '%s', got '%s'", what, names[0], names[1], names[2], want);
   return nullptr;
+}
+
+static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
+  static const char* const names[] = {"auto", "fma", "tc"};
+  return choose(arg, names, kvq_set_decode_kernel, "decode kernel");
 }
 
 #ifdef KVQ_HAS_EXTEND
 static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
-  const char* names[] = {"auto", "wide", "deep"};
-  const char* want = PyUnicode_AsUTF8(arg);
-  if (want == nullptr) return nullptr;
-  for (int i = 0; i < 3; ++i) {
-    if (std::string(want) == names[i]) return PyUnicode_FromString(names[kvq_set_extend_shape(i)]);
-  }
-  PyErr_Format(PyExc_ValueError, "extend CTA shape must be 'auto', 'wide' or 'deep', got '%s'", want);
-  return nullptr;
+  static const char* const names[] = {"auto", "wide", "deep"};
+  return choose(arg, names, kvq_set_extend_shape, "extend CTA shape");
 }
 #endif
 
