@@ -87,14 +87,13 @@ using WideCfg = Cfg<D, D == 64 ? 64 : (D == 256 && StorageTraits<S>::kQuantized 
 template <typename S, typename C>
 struct Smem {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
-  static constexpr int kNB = C::kD / 32;
   static constexpr int kTile = C::kBlockN * C::kD * 2;        // a K or V tile in T
   static constexpr int kStage = 2 * kTile;
   static constexpr int kRaw = kQuant ? C::kBlockN * C::kD : 0;  // K or V raw rows
   static constexpr int kScales = kQuant ? C::kBlockN * C::kD / 16 * 4 : 0;  // one word per 16-byte chunk
-  static constexpr int kQ = 0;
-  static constexpr int kStages = kQ + C::kBlockM * C::kD * 2;  // stage s: K at kStages + s * kStage, then V
-  static constexpr int kRawOff = kStages + 2 * kStage;          // K raw, V raw, K scale words, V scale words
+  static constexpr int kQOff = 0;
+  static constexpr int kKVOff = kQOff + C::kBlockM * C::kD * 2;  // stage s: K at kKVOff + s * kStage, then V
+  static constexpr int kRawOff = kKVOff + 2 * kStage;            // K raw, V raw, K scale words, V scale words
   static constexpr int kPages = kRawOff + 2 * kRaw + 2 * kScales;
   static constexpr int kBytes = kPages + 2 * C::kBlockN * 4;
   static constexpr bool kFits = kBytes <= 99 * 1024;  // the shared memory of a CTA on sm_89 and sm_120
@@ -236,7 +235,7 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
           so = cache.scale_offset(int64_t(page) * cache.page_size + off, s.h_kv);
         }
         // Chunk it of this thread at (it * kThreads + tid) * 16; its scale (block c / 2) in the 4-byte word
-        // holding blocks 2 (c / 4) and 2 (c / 4) + 1 (a row's scales start 4-byte aligned: kNB is even).
+        // holding blocks 2 (c / 4) and 2 (c / 4) + 1 (a row's scales start 4-byte aligned: D / 32 is even).
         const uint32_t slot = uint32_t(it * kThreads + tid);
         cp_async16(raw + slot * 16, kb + ke + c * 16, bytes);
         cp_async16(raw + L::kRaw + slot * 16, vb + ve + c * 16, bytes);
@@ -289,8 +288,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   constexpr int D = C::kD, BN = C::kBlockN, BM = C::kBlockM, MT = C::kMTiles, kThreads = C::kThreads;
   using L = Smem<S, C>;
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t sQ = smem_addr(smem) + L::kQ;
-  const uint32_t sK = smem_addr(smem) + L::kStages;  // stage st: K at sK + st * kStage, V kTile further
+  const uint32_t sQ = smem_addr(smem) + L::kQOff;
+  const uint32_t sK = smem_addr(smem) + L::kKVOff;  // stage st: K at sK + st * kStage, V kTile further
   const uint32_t sV = sK + L::kTile;
   int* pages = reinterpret_cast<int*>(smem + L::kPages);  // [2][BN]: page of each row of the next two tiles
 
@@ -389,7 +388,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   }
   __syncthreads();
   if (j_begin < j_end)
-    issue_tile<T, S, C>(p, cache, s, pdm, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw, pages + (j_begin & 1) * BN);
+    issue_tile<T, S, C>(p, cache, s, pdm, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw,
+                        pages + (j_begin & 1) * BN);
   cp_async_commit();  // with the Q tile
   cp_async_wait_all();
   if constexpr (L::kQuant) {
@@ -401,7 +401,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     const uint32_t kv_off = (j & 1) * L::kStage;
     __syncthreads();  // tile j complete for every thread; every warp is past tile j - 1, so its stage is free
     if (j + 1 < j_end)
-      issue_tile<T, S, C>(p, cache, s, pdm, n0 + BN, sK + ((j + 1) & 1) * L::kStage, sRaw, pages + ((j + 1) & 1) * BN);
+      issue_tile<T, S, C>(p, cache, s, pdm, n0 + BN, sK + ((j + 1) & 1) * L::kStage, sRaw,
+                          pages + ((j + 1) & 1) * BN);
     cp_async_commit();
     const int next_page = tid < BN ? lookup_page(cache, s, pdm, n0 + 2 * BN + tid) : -1;
 
