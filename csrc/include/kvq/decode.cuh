@@ -352,25 +352,16 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
 constexpr int kMergeThreads = 256;
 constexpr int kMaxParts = 1024;  // splits (<= 256) x partials per split (<= 4 warps)
 
-__device__ __forceinline__ float block_max(float x, float* scratch) {
+// op over the kMergeThreads values of the block (identity: op's neutral value); every thread gets the result.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float x, float identity, Op op, float* scratch) {
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) x = nanmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = 16; o > 0; o /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
   __syncthreads();
-  float r = -INFINITY;
+  float r = identity;
 #pragma unroll
-  for (int w = 0; w < kMergeThreads / 32; ++w) r = nanmax(r, scratch[w]);
-  __syncthreads();
-  return r;
-}
-__device__ __forceinline__ float block_sum(float x, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
-  __syncthreads();
-  float r = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kMergeThreads / 32; ++w) r += scratch[w];
+  for (int w = 0; w < kMergeThreads / 32; ++w) r = op(r, scratch[w]);
   __syncthreads();
   return r;
 }
@@ -395,7 +386,8 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
 
   float mx = -INFINITY;
   for (int i = tid; i < parts; i += kMergeThreads) mx = nanmax(mx, ml[2 * i]);
-  mx = block_max(mx, scratch);  // -inf: no key was visible (seq_len 0), and the output is 0
+  // -inf: no key was visible (seq_len 0), and the output is 0.
+  mx = block_reduce(mx, -INFINITY, [](float a, float b) { return nanmax(a, b); }, scratch);
   float lsum = 0.0f;
   for (int i = tid; i < parts; i += kMergeThreads) {
     const float mi = ml[2 * i];
@@ -403,7 +395,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
     w_s[i] = w;
     lsum += ml[2 * i + 1] * w;
   }
-  const float L = block_sum(lsum, scratch);  // also makes w_s visible to the block
+  const float L = block_reduce(lsum, 0.0f, [](float a, float b) { return a + b; }, scratch);  // also publishes w_s
 
   const int g = tid / kMergeCols, d = blockIdx.z * kMergeCols + tid % kMergeCols;
   float o = 0.0f;
@@ -421,6 +413,16 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
 }
 
 }  // namespace detail
+
+// Combine the `parts` partials of every query head into p.out, after a split kernel on the same stream.
+inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStream_t stream) {
+  if (parts > detail::kMaxParts) return cudaErrorInvalidValue;
+  return KVQ_DISPATCH_DTYPE(p.dtype, O, {
+    detail::decode_merge_kernel<O>
+        <<<dim3(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols), detail::kMergeThreads, 0, stream>>>(p, parts);
+    return cudaGetLastError();
+  });
+}
 
 // Warps per CTA of the split kernel (its partials per split), from the storage format and head_dim.
 inline int decode_warps(Format format, DType dtype, int head_dim) {
@@ -473,13 +475,7 @@ inline cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) 
         kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), C::kWarps * 32, smem, stream>>>(p);
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;
-        const int parts = p.num_splits * C::kWarps;
-        if (parts > detail::kMaxParts) return cudaErrorInvalidValue;
-        return KVQ_DISPATCH_DTYPE(p.dtype, O, {
-          detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch, HD / detail::kMergeCols), detail::kMergeThreads, 0,
-                                           stream>>>(p, parts);
-          return cudaGetLastError();
-        });
+        return launch_decode_merge(p, p.num_splits * C::kWarps, stream);
       });
     });
   });

@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __
     return cudaErrorInvalidValue;                                        \
   }()
 
-// Calls f(kernel, smem_bytes, warps, head_dim) with the split kernel instantiated for p (shared memory
+// Calls f(kernel, smem_bytes, warps) with the split kernel instantiated for p (shared memory
 // opt-in done once per kernel and device).
 template <typename F>
 cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
@@ -486,7 +486,7 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
               if (e != cudaSuccess) return e;
               if (dev >= 0 && dev < 64) opted_in[dev] = true;
             }
-            return f(kernel, C::kSmem, C::kWarps, HD);
+            return f(kernel, C::kSmem, C::kWarps);
           });
         });
       }
@@ -504,7 +504,7 @@ inline int decode_tc_ctas_per_sm(const DecodeParams& p) {
   int* slot = dev >= 0 && dev < 64 ? &cached[dev][int(p.format) % 3][int(p.dtype) % 2][hd][g] : nullptr;
   if (slot != nullptr && *slot > 0) return *slot;
   int n = 0;
-  const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int warps, int) {
+  const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, warps * 32, smem);
   });
   n = e == cudaSuccess && n > 0 ? n : 1;
@@ -515,16 +515,11 @@ inline int decode_tc_ctas_per_sm(const DecodeParams& p) {
 inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch == 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
-  return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps, int hd) {
+  return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
     kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), warps * 32, smem, stream>>>(p);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    return KVQ_DISPATCH_DTYPE(p.dtype, O, {
-      if (p.num_splits > detail::kMaxParts) return cudaErrorInvalidValue;
-      detail::decode_merge_kernel<O><<<dim3(p.num_q_heads, p.batch, hd / detail::kMergeCols), detail::kMergeThreads, 0,
-                                       stream>>>(p, p.num_splits);
-      return cudaGetLastError();
-    });
+    return launch_decode_merge(p, p.num_splits, stream);
   });
 }
 
