@@ -33,9 +33,11 @@ void extend_attention_cuda(const at::Tensor& query, const at::Tensor& key, const
 at::Tensor dequantize_cuda(const at::Tensor& cache, const std::optional<at::Tensor>& scale,
                            const at::Tensor& slot_mapping, at::ScalarType dtype);
 
-// Which decode kernel serves decode_attention: 0 = by rule (tensor cores for GQA groups of 4 or more),
-// 1 = the FMA kernel, 2 = the tensor-core kernel. Returns the previous choice; for benchmarks and tests.
+// Which decode kernel serves decode_attention: 0 = by rule (decode.cu's kTensorCoreGroup), 1 = the FMA
+// kernel, 2 = the tensor-core kernel. Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_kernel(int choice);
+// Which CTA shape serves extend_attention: 0 = by CTA count (extend.cuh's launch_shape), 1 = wide, 2 = deep.
+// Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_shape(int choice);
 
 // The architectures this extension was compiled for, e.g. "8.9;9.0;12.0".

@@ -416,7 +416,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(qv_addr.at(kk, mt * 16) + q_off, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(qv_addr.at(kk, mt * 16) + q_off, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
       for (int nb = 0; nb < BN / 16; ++nb) {
         uint32_t b0, b1, b2, b3;
