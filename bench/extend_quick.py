@@ -2,7 +2,8 @@
 
 Prints the median time (triton.testing.do_bench) of kvq's extend with a bf16, q8_0 and fp8_e4m3 prefix, the
 8-bit / bf16 ratio (target <= 1.1), and torch SDPA (flash) on bf16 with the same causal (bottom-right) mask
-over contiguous K/V for context. ``python bench/extend_quick.py [--new N] [--prefix N] [--page-size N]``
+over contiguous K/V for context.
+``python bench/extend_quick.py [--new N] [--prefix N] [--page-size N] [--dtype bf16|fp16]``
 """
 
 import argparse
@@ -27,10 +28,11 @@ def main():
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="model (query and new K/V) dtype")
     a = ap.parse_args()
     print(f"backend: {backends.selection().active}; {torch.cuda.get_device_name()}; new {a.new}, prefix {a.prefix}, "
-          f"heads {a.hq}/{a.hkv}, d {a.d}, page {a.page_size}")
-    dev, dt = "cuda", torch.bfloat16
+          f"heads {a.hq}/{a.hkv}, d {a.d}, page {a.page_size}, {a.dtype}")
+    dev, dt = "cuda", torch.bfloat16 if a.dtype == "bf16" else torch.float16
     torch.manual_seed(0)
     n_pages = -(-a.prefix // a.page_size)
     block_table = torch.randperm(n_pages, device=dev, dtype=torch.int32)[None]  # scattered pages
@@ -48,7 +50,7 @@ def main():
     flops = 4 * a.hq * a.d * visible
 
     times = {}
-    for name, cdt in (("bf16", dt), ("q8_0", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+    for name, cdt in ((a.dtype, dt), ("q8_0", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
         kc, ks = kvq.new_cache(n_pages, a.page_size, a.hkv, a.d, cdt, dev)
         vc, vs = kvq.new_cache(n_pages, a.page_size, a.hkv, a.d, cdt, dev)
         kvq.store_kv(k_pre, v_pre, kc, vc, ks, vs, slots)
@@ -59,8 +61,8 @@ def main():
         times[name] = do_bench(fn, warmup=25, rep=200, return_mode="median")
         print(f"kvq extend, {name:8s} prefix: {times[name]:8.3f} ms  {flops / times[name] / 1e9:7.1f} TFLOP/s")
     for name in ("q8_0", "fp8_e4m3"):
-        r = times[name] / times["bf16"]
-        print(f"{name} / bf16 = {r:.3f}  ({'meets' if r <= 1.1 else 'MISSES'} the 1.1x target)")
+        r = times[name] / times[a.dtype]
+        print(f"{name} / {a.dtype} = {r:.3f}  ({'meets' if r <= 1.1 else 'MISSES'} the 1.1x target)")
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -75,7 +77,7 @@ def main():
             fn = lambda: F.scaled_dot_product_attention(qs, ks_, vs_, attn_mask=mask)  # noqa: E731
             fn()
             t = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        print(f"torch SDPA flash, bf16 contiguous K/V: {t:8.3f} ms  {flops / t / 1e9:7.1f} TFLOP/s")
+        print(f"torch SDPA flash, {a.dtype} contiguous K/V: {t:8.3f} ms  {flops / t / 1e9:7.1f} TFLOP/s")
     except RuntimeError as e:
         print(f"torch SDPA flash unavailable: {str(e).splitlines()[0]}")
 

@@ -57,6 +57,8 @@ struct Cfg {
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
   static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
+  // Registers capped so that the three CTAs the shared memory allows also fit the register file.
+  static constexpr int kMinBlocks = 3;
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
   static_assert(kStages >= 2, "decode_tc: a tile does not fit twice");
@@ -112,6 +114,9 @@ __device__ __forceinline__ void value_pairs(uint2 wa, uint2 wb, uint16_t sa, uin
   }
 }
 
+// 2^k for -126 <= k <= 127, exactly.
+__device__ __forceinline__ float pow2(int k) { return __int_as_float((127 + k) << 23); }
+
 // Eight 8-bit values (one 8-byte word) to their exact values (no scale) as four fp16 pairs, in order.
 template <typename S>
 __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
@@ -134,7 +139,8 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
 
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
 template <typename S, typename T, int HD, int GMAX>
-__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, Cfg<S, HD>::kMinBlocks)
+    split_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ FastDivmod pdm) {
   using C = Cfg<S, HD>;
   constexpr bool kQuant = C::kQuant;
   constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
@@ -183,15 +189,15 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
       }
-      int ex = 0;
-      if (amax > 0.0f && amax <= 3.4e38f) frexpf(amax, &ex);  // amax in [2^(ex-1), 2^ex)
+      // amax in [2^(ex-1), 2^ex) (a subnormal amax reads as ex = -126, which the clamp below treats alike)
+      const int ex = amax > 0.0f && amax <= 3.4e38f ? ((__float_as_int(amax) >> 23) & 0xFF) - 126 : 0;
       shift[h] = kQuant ? min(max(15 - ex, -120), 100) : 0;
-      qs[h] = ldexpf(qscale, -shift[h]);
+      qs[h] = qscale * pow2(-shift[h]);
     }
     auto qpair = [&](int h, int e) -> uint32_t {
       const int row = gid + 8 * h;
-      __align__(4) QT v[2] = {from_float<QT>(ldexpf(qval(row, e), shift[h])),
-                              from_float<QT>(ldexpf(qval(row, e + 1), shift[h]))};
+      const float f = pow2(shift[h]);  // as ldexpf: exact unless the result is subnormal
+      __align__(4) QT v[2] = {from_float<QT>(qval(row, e) * f), from_float<QT>(qval(row, e + 1) * f)};
       return *reinterpret_cast<const uint32_t*>(v);
     };
 #pragma unroll
@@ -216,38 +222,84 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __
   const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);
 
   // Copies of tile c (tokens first + c * step + [0, 16)) into stage c % kStages, and its validity mask.
+  // Lane copies 16-byte piece lane % kNC of rows i * kRPI + lane / kNC, and the scales of row lane % 16
+  // (keys in lanes 0-15, values in 16-31). A tile inside one page (the common case: page sizes that are
+  // multiples of 16) reads one block-table entry and finds its rows by addition; a tile that straddles
+  // pages looks up each row's page.
+  constexpr int kRPI = 32 / C::kNC, kIters = kTile / kRPI;
+  const int r_lane = lane / C::kNC, piece = lane % C::kNC;
+  const int r0 = lane % kTile;
+  const int row_bytes = p.num_kv_heads * HD * static_cast<int>(sizeof(S));  // one token of a page
+  // Block-table entries of the warp's tiles, 32 at a time (lane l holds tile 32 k + l's page, or -1), read
+  // a block ahead: a lookup in the loop would put a global round trip before every tile's copies.
+  auto table_block = [&](int k) -> int {
+    const int c = 32 * k + lane;
+    if (c >= num_tiles) return -1;
+    int idx, off;
+    pdm.divmod(first + c * step, idx, off);
+    return static_cast<int>(cache.page_at(b, idx));
+  };
+  int pages_cur = table_block(0), pages_next = table_block(1);
   auto issue = [&](int c) {
+    if (c % 32 == 0 && c > 0) pages_cur = pages_next, pages_next = table_block(c / 32 + 1);
+    const int tile_page = __shfl_sync(0xffffffffu, pages_cur, c % 32);
     unsigned char* st = ring + (c % C::kStages) * C::kStageBytes;
     const uint32_t st_addr = smem_addr(st);
-    const int r0 = lane % kTile;
-    const int t = first + c * step + r0;
-    int64_t page = -1;
-    int off = 0;
-    if (t < end) {
-      page = cache.page_of(b, t);
-      off = t % p.page_size;
-    }
-    const bool ok = page >= 0;
-    const uint32_t valid = __ballot_sync(0xffffffffu, ok) & 0xFFFFu;
-    if (lane == 0) *reinterpret_cast<uint32_t*>(st + C::kMaskOff) = valid;
-    const int64_t kofs = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
-    const int64_t vofs = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
-#pragma unroll
-    for (int i = 0; i < kTile * C::kNC / 32; ++i) {
-      const int idx = i * 32 + lane;
-      const int r = idx / C::kNC, piece = idx % C::kNC;
-      const int64_t ko = __shfl_sync(0xffffffffu, kofs, r);
-      const int64_t vo = __shfl_sync(0xffffffffu, vofs, r);
-      const int bytes = (valid >> r) & 1 ? 16 : 0;
+    const int t0 = first + c * step;
+    int idx0, off0;
+    pdm.divmod(t0, idx0, off0);
+    // Piece `piece` of row i * kRPI + r_lane, from ksrc / vsrc (16 bytes, or zeros when !ok).
+    auto copy = [&](int i, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
+      const int r = i * kRPI + r_lane;
       const int kphys = C::kSwizzle ? piece ^ ((r & 1) << 2) : piece;
-      cp_async16(st_addr + C::kKOff + r * C::kKStride + kphys * 16, kbase + ko + piece * 16, bytes);
-      cp_async16(st_addr + C::kVOff + r * C::kVStride + piece * 16, vbase + vo + piece * 16, bytes);
+      cp_async16(st_addr + C::kKOff + r * C::kKStride + kphys * 16, ksrc, ok ? 16 : 0);
+      cp_async16(st_addr + C::kVOff + r * C::kVStride + piece * 16, vsrc, ok ? 16 : 0);
+    };
+    bool ok0;       // row r0 (this lane's scales) is valid
+    int64_t slot0;  // and its slot
+    if (off0 + kTile <= p.page_size) {
+      const int64_t page = tile_page;
+      const int n = page >= 0 ? min(kTile, end - t0) : 0;  // rows [0, n) are valid
+      const int64_t pg = page >= 0 ? page : 0;
+      const unsigned char* kb = kbase + cache.k_offset(pg, off0, kvh) * static_cast<int64_t>(sizeof(S)) + piece * 16;
+      const unsigned char* vb = vbase + cache.v_offset(pg, off0, kvh) * static_cast<int64_t>(sizeof(S)) + piece * 16;
+#pragma unroll
+      for (int i = 0; i < kIters; ++i) {
+        const int r = i * kRPI + r_lane;
+        const int ro = r < n ? r * row_bytes : 0;
+        copy(i, kb + ro, vb + ro, r < n);
+      }
+      ok0 = r0 < n;
+      slot0 = pg * p.page_size + off0 + r0;
+    } else {
+      auto locate = [&](int r, int64_t& page, int& off) {
+        int idx;
+        pdm.divmod(t0 + r, idx, off);
+        page = t0 + r < end ? cache.page_at(b, idx) : -1;
+      };
+#pragma unroll
+      for (int i = 0; i < kIters; ++i) {
+        int64_t page;
+        int off;
+        locate(i * kRPI + r_lane, page, off);
+        const bool ok = page >= 0;
+        const int64_t ko = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+        const int64_t vo = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+        copy(i, kbase + ko + piece * 16, vbase + vo + piece * 16, ok);
+      }
+      int64_t page;
+      int off;
+      locate(r0, page, off);
+      ok0 = page >= 0;
+      slot0 = ok0 ? page * p.page_size + off : 0;
     }
+    const uint32_t valid = __ballot_sync(0xffffffffu, ok0) & 0xFFFFu;
+    if (lane == 0) *reinterpret_cast<uint32_t*>(st + C::kMaskOff) = valid;
     if constexpr (kQuant) {
-      const int64_t so = ok ? cache.scale_offset(page * p.page_size + off, kvh) : 0;
+      const int64_t so = ok0 ? cache.scale_offset(slot0, kvh) : 0;
       const bool is_k = lane < kTile;
       cp_async_small<C::kScaleBytes>(st_addr + (is_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
-                                     (is_k ? p.k_scale : p.v_scale) + so, ok ? C::kScaleBytes : 0);
+                                     (is_k ? p.k_scale : p.v_scale) + so, ok0 ? C::kScaleBytes : 0);
     }
   };
 
@@ -325,39 +377,63 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32) split_kernel(const __
       for (int e = 0; e < 4; ++e) s[nt][e] = acc[e];
     }
 
-    // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2
-    uint32_t pa[4];
+    // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2.
+    // The soft-cap test is taken once per tile, not per score, so the four scores of a row stay one block.
+    float x[kRows][2][2];
+#pragma unroll
+    for (int h = 0; h < kRows; ++h)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) x[h][nt][e] = s[nt][2 * h + e] * qs[h];
+    if (softcap) {
+#pragma unroll
+      for (int h = 0; h < kRows; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) x[h][nt][e] = p.logit_softcap * tanhf(x[h][nt][e] / p.logit_softcap) * kLog2e;
+    }
+    float mn[kRows], corr[kRows];
+    bool grew = false;
 #pragma unroll
     for (int h = 0; h < kRows; ++h) {
-      float x[2][2];
       float mx = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float v = s[nt][2 * h + e] * qs[h];
-          if (softcap) v = p.logit_softcap * tanhf(v / p.logit_softcap) * kLog2e;
           const int tok = nt * 8 + 2 * tig + e;
-          v = (valid >> tok) & 1 ? v : -INFINITY;
-          x[nt][e] = v;
-          mx = detail::nanmax(mx, v);
+          x[h][nt][e] = (valid >> tok) & 1 ? x[h][nt][e] : -INFINITY;
+          mx = detail::nanmax(mx, x[h][nt][e]);
         }
       mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mn = detail::nanmax(m[h], mx);
-      const float corr = mn == -INFINITY ? 1.0f : fast_exp2(m[h] - mn);
+      mn[h] = detail::nanmax(m[h], mx);
+      corr[h] = mn[h] == -INFINITY ? 1.0f : fast_exp2(m[h] - mn[h]);
+      grew |= corr[h] != 1.0f;
+    }
+    // The running max settles early in a long sequence: rescale the accumulators only in the tiles that
+    // move it (skipping a multiply by exactly 1 changes nothing).
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int h = 0; h < kRows; ++h)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) o[j][2 * h] *= corr[h], o[j][2 * h + 1] *= corr[h];
+    }
+    uint32_t pa[4];
+#pragma unroll
+    for (int h = 0; h < kRows; ++h) {
       float pr[2][2], sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          pr[nt][e] = mn == -INFINITY ? 0.0f : fast_exp2(x[nt][e] - mn);
+          pr[nt][e] = mn[h] == -INFINITY ? 0.0f : fast_exp2(x[h][nt][e] - mn[h]);
           sum += pr[nt][e];
         }
-      m[h] = mn;
-      l[h] = l[h] * corr + sum;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) o[j][2 * h] *= corr, o[j][2 * h + 1] *= corr;
+      m[h] = mn[h];
+      l[h] = l[h] * corr[h] + sum;
       pa[h] = pack2<T>(pr[0][0], pr[0][1]);       // a0 (row gid) / a1 (row gid + 8)
       pa[2 + h] = pack2<T>(pr[1][0], pr[1][1]);   // a2 / a3
     }
@@ -516,7 +592,7 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
   if (p.batch == 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
   return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
-    kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), warps * 32, smem, stream>>>(p);
+    kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), warps * 32, smem, stream>>>(p, FastDivmod(p.page_size));
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     return launch_decode_merge(p, p.num_splits, stream);

@@ -99,24 +99,6 @@ struct Smem {
   static constexpr bool kFits = kBytes <= 99 * 1024;  // the shared memory of a CTA on sm_89 and sm_120
 };
 
-// q / d and q % d for 0 <= q < 2^31 with a multiply (page_size is runtime and not a power of two).
-struct FastDivmod {
-  uint32_t divisor, multiplier, shift;
-  explicit FastDivmod(int d) : divisor(uint32_t(d)), multiplier(0), shift(0) {
-    if (d != 1) {
-      uint32_t l = 0;
-      while ((1u << l) < uint32_t(d)) ++l;  // ceil(log2 d)
-      uint32_t p = 31 + l;
-      multiplier = uint32_t(((uint64_t(1) << p) + uint64_t(d) - 1) / uint64_t(d));
-      shift = p - 32;
-    }
-  }
-  __device__ __forceinline__ void divmod(int n, int& q, int& r) const {
-    q = divisor == 1 ? n : int(__umulhi(uint32_t(n), multiplier) >> shift);
-    r = n - q * int(divisor);
-  }
-};
-
 using namespace ::kvq::tc;
 
 // Byte offset of 16-byte chunk `c` of row `r` in a [rows, D] tile of T. The XOR swizzle spreads the 8

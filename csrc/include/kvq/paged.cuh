@@ -14,6 +14,25 @@
 
 namespace kvq {
 
+// q / d and q % d for 0 <= q < 2^31 with a multiply: a token's page index and offset without an integer
+// division (page_size is a runtime value and need not be a power of two). Built on the host, passed by value.
+struct FastDivmod {
+  uint32_t divisor, multiplier, shift;
+  explicit FastDivmod(int d) : divisor(uint32_t(d)), multiplier(0), shift(0) {
+    if (d != 1) {
+      uint32_t l = 0;
+      while ((1u << l) < uint32_t(d)) ++l;  // ceil(log2 d)
+      uint32_t p = 31 + l;
+      multiplier = uint32_t(((uint64_t(1) << p) + uint64_t(d) - 1) / uint64_t(d));
+      shift = p - 32;
+    }
+  }
+  __device__ __forceinline__ void divmod(int n, int& q, int& r) const {
+    q = divisor == 1 ? n : int(__umulhi(uint32_t(n), multiplier) >> shift);
+    r = n - q * int(divisor);
+  }
+};
+
 template <typename S>
 struct paged_kv_t {
   S* k = nullptr;
@@ -64,8 +83,10 @@ struct paged_kv_t {
     return n < 0 ? 0 : (n > cap ? static_cast<int>(cap) : n);
   }
   // The page holding token t of sequence b (t < length(b)), or -1 when the table points outside the cache.
-  __device__ int64_t page_of(int b, int t) const {
-    const int64_t p = block_table[b * block_table_stride + t / page_size];
+  __device__ int64_t page_of(int b, int t) const { return page_at(b, t / page_size); }
+  // Entry idx of sequence b's block-table row (idx < max_pages), or -1 when it points outside the cache.
+  __device__ int64_t page_at(int b, int idx) const {
+    const int64_t p = block_table[b * block_table_stride + idx];
     return valid_page(p) ? p : -1;
   }
 };
