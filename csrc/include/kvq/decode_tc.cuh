@@ -57,8 +57,6 @@ struct Cfg {
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
   static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
-  // Registers capped so that the three CTAs the shared memory allows also fit the register file.
-  static constexpr int kMinBlocks = 3;
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
   static_assert(kStages >= 2, "decode_tc: a tile does not fit twice");
@@ -137,9 +135,19 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
   }
 }
 
+// Launch bounds of three CTAs per SM. An H100/H200 SM holds three by shared memory, and the bound caps the
+// registers so that its register file does too. An sm_89 or sm_120 SM holds one four-warp CTA, so there the
+// bound is dropped for those (it only forced spills). The two-warp CTAs (head_dim 256) keep it everywhere: it
+// caps nothing for them (3 x 64 threads x 255 registers fit), but ptxas (nvcc 13.0) spills less with it on sm_89.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define KVQ_DECODE_TC_MIN_BLOCKS(warps) 3
+#else
+#define KVQ_DECODE_TC_MIN_BLOCKS(warps) ((warps) == 2 ? 3 : 1)
+#endif
+
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
 template <typename S, typename T, int HD, int GMAX>
-__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, Cfg<S, HD>::kMinBlocks)
+__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD>::kWarps)))
     split_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ FastDivmod pdm) {
   using C = Cfg<S, HD>;
   constexpr bool kQuant = C::kQuant;
