@@ -99,10 +99,9 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // The fewest tokens worth a split: two 16-token tiles for each warp of a tensor-core CTA (on an H200 this
   // beat four by up to 25% at 1k-4k tokens and lost 10% only at 16/2 heads d256 with 32k), two chunks per
   // warp (FMA).
-  int tc_warps = 4;
-  if (tc) (void)kvq::decode_tc_dispatch(p, [&](auto, int, int w) { tc_warps = w; return cudaSuccess; });
-  const int min_span = tc ? 2 * kvq::decode_tc::kTile * tc_warps : 2 * warps * kvq::detail::kChunkTokens;
-  const int slots = sm_count(dev.index()) * (tc ? kvq::decode_tc_ctas_per_sm(p) : 2);
+  const kvq::TcShape tc_shape = tc ? kvq::decode_tc_shape(p) : kvq::TcShape{};
+  const int min_span = tc ? 2 * kvq::decode_tc::kTile * tc_shape.warps : 2 * warps * kvq::detail::kChunkTokens;
+  const int slots = sm_count(dev.index()) * (tc ? tc_shape.ctas_per_sm : 2);
   p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), min_span, slots);
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));

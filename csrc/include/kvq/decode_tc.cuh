@@ -578,22 +578,29 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
   });
 }
 
-// CTAs of the split kernel that one SM holds at once (for the split count: one full wave).
-inline int decode_tc_ctas_per_sm(const DecodeParams& p) {
-  static int cached[64][3][2][3][2] = {};  // device, format, dtype, head_dim, group bucket
+// The split kernel's launch shape for p: its warps per CTA and the CTAs one SM holds at once (for the split
+// count: one full wave). Cached per device and instantiation, so a call costs no dispatch after the first.
+struct TcShape {
+  int warps = 4, ctas_per_sm = 1;
+};
+inline TcShape decode_tc_shape(const DecodeParams& p) {
+  static TcShape cached[64][3][2][3][2] = {};  // device, format, dtype, head_dim, group bucket
+  static bool known[64][3][2][3][2] = {};
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  if (cudaGetDevice(&dev) != cudaSuccess) return TcShape{};
   const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
   const int g = p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8 ? 1 : 0;
-  int* slot = dev >= 0 && dev < 64 ? &cached[dev][int(p.format) % 3][int(p.dtype) % 2][hd][g] : nullptr;
-  if (slot != nullptr && *slot > 0) return *slot;
-  int n = 0;
+  const bool cacheable = dev >= 0 && dev < 64;
+  const int f = int(p.format) % 3, t = int(p.dtype) % 2;
+  if (cacheable && known[dev][f][t][hd][g]) return cached[dev][f][t][hd][g];
+  TcShape shape;
   const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, warps * 32, smem);
+    shape.warps = warps;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shape.ctas_per_sm, kernel, warps * 32, smem);
   });
-  n = e == cudaSuccess && n > 0 ? n : 1;
-  if (slot != nullptr) *slot = n;
-  return n;
+  if (e != cudaSuccess || shape.ctas_per_sm <= 0) shape.ctas_per_sm = 1;
+  if (cacheable) cached[dev][f][t][hd][g] = shape, known[dev][f][t][hd][g] = true;
+  return shape;
 }
 
 inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t stream) {
