@@ -49,7 +49,7 @@ def impls():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--quick", action="store_true", help="four shapes only")
+    ap.add_argument("--quick", action="store_true", help="five shapes only")
     ap.add_argument("--impls", nargs="+", choices=["cuda-tc", "cuda-fma", "triton"], help="default: all three")
     args = ap.parse_args(argv)
     if kvq.backends.selection().active != "cuda":

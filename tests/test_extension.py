@@ -59,7 +59,6 @@ def test_every_op_has_a_compiled_cuda_kernel(ext):
         assert "register.cpp" in src, f"kvq::{name}'s CUDA kernel does not come from kvq._C: {src!r}"
 
 
-
 @pytest.mark.parametrize("setter, names", [("set_decode_kernel", ("auto", "fma", "tc")),
                                            ("set_extend_shape", ("auto", "wide", "deep"))])
 def test_kernel_choices_round_trip_and_refuse_unknown_names(ext, setter, names):
