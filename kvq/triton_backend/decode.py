@@ -270,8 +270,8 @@ def _config(query, k_cache, max_len, scale_after_dot=None):
     count also makes the last wave short). Dequantize-then-dot does more arithmetic per byte, so it wants
     more CTAs in flight than the unquantized path (a sweep on an H200 at 128k tokens, with an earlier version
     of the 8-bit dequantization, favoured 8 vs 4 per SM). The scale-after-dot path feeds its [BLOCK_N, 32]
-    tiles to the dots like the unquantized path feeds its tiles, so it starts from the unquantized path's
-    settings; its tiles are 32 columns whatever head_dim, so BLOCK_N 64 also suits head_dim 256.
+    tiles to the dots like the unquantized path feeds its tiles, so it takes the unquantized path's splits
+    and warps; its tiles are 32 columns whatever head_dim, so BLOCK_N 64 also suits head_dim 256.
     """
     batch, _, d = query.shape
     hkv = k_cache.shape[2]
