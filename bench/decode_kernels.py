@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -32,15 +31,12 @@ PAGE = 16
 
 
 def impls():
-    from kvq import _C, triton_backend
+    from kvq import triton_backend
 
     def cuda(kind):
         def fn(*args):
-            prev = _C.set_decode_kernel(kind)
-            try:
+            with kvq.backends.pinned_cuda_kernel("set_decode_kernel", kind):
                 torch.ops.kvq.decode_attention(*args)
-            finally:
-                _C.set_decode_kernel(prev)
         return fn
 
     return {"cuda-tc": cuda("tc"), "cuda-fma": cuda("fma"), "triton": triton_backend.decode_attention}

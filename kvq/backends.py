@@ -7,6 +7,7 @@ call (and in ``python -m kvq info``), never a silent fallback. CPU tensors alway
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -133,3 +134,17 @@ def info() -> dict:
 
         out["triton"] = triton.__version__
     return out
+
+
+@contextlib.contextmanager
+def pinned_cuda_kernel(setter: str, choice: str):
+    """Hold one kernel choice of ``kvq._C`` for the block and restore the previous one after it: ``setter`` is
+    ``"set_decode_kernel"`` ("auto", "fma", "tc") or ``"set_extend_shape"`` ("auto", "wide", "deep"). For
+    tests and benchmarks, which must reach every kernel whatever shape the rules would pick by."""
+    from kvq import _C
+
+    prev = getattr(_C, setter)(choice)
+    try:
+        yield
+    finally:
+        getattr(_C, setter)(prev)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from kvq import reference
+from kvq import backends, reference
 from kvq.ops import new_cache
 
 FORMATS = {"bf16": None, "fp16": None, "q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -85,8 +84,6 @@ def backend_ops(name: str):
     """
     import pytest
 
-    from kvq import backends
-
     if name == "reference":
         return reference
     if name == "triton":
@@ -116,13 +113,9 @@ class _Pinned:
     def __getattr__(self, name):
         if name != self.op:
             return getattr(torch.ops.kvq, name)
-        from kvq import _C
 
         def call(*args, **kwargs):
-            prev = getattr(_C, self.setter)(self.choice)
-            try:
+            with backends.pinned_cuda_kernel(self.setter, self.choice):
                 return getattr(torch.ops.kvq, name)(*args, **kwargs)
-            finally:
-                getattr(_C, self.setter)(prev)
         return call
 

@@ -30,11 +30,8 @@ def _cuda_active(request):
     """Every test runs with the CTA shape picked by the rule, and held to each of the two shapes."""
     if backends.selection().active != "cuda":
         pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
-    from kvq import _C
-
-    prev = _C.set_extend_shape(request.param)
-    yield
-    _C.set_extend_shape(prev)
+    with backends.pinned_cuda_kernel("set_extend_shape", request.param):
+        yield
 
 
 def make_case(seqs, hq, hkv, d, fmt, dtype, page_size, scale=1.0):

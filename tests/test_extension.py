@@ -76,3 +76,23 @@ def test_kernel_choices_round_trip_and_refuse_unknown_names(ext, setter, names):
     assert choose(names[0]) == first
     with pytest.raises(TypeError):
         choose(3)
+
+
+def test_pinned_cuda_kernel_restores_the_previous_choice(ext):
+    """The context manager tests and benchmarks pin kernels with: the choice holds inside the block, and the one
+    before it comes back after, also when the block raises."""
+    from kvq.backends import pinned_cuda_kernel
+
+    first_shape, first_kernel = ext.set_extend_shape("deep"), ext.set_decode_kernel("tc")
+    try:
+        with pinned_cuda_kernel("set_extend_shape", "wide"):
+            assert ext.set_extend_shape("wide") == "wide"
+        assert ext.set_extend_shape("deep") == "deep"
+        with pytest.raises(RuntimeError, match="inside"):
+            with pinned_cuda_kernel("set_decode_kernel", "fma"):
+                assert ext.set_decode_kernel("fma") == "fma"
+                raise RuntimeError("inside")
+        assert ext.set_decode_kernel("tc") == "tc"
+    finally:
+        ext.set_extend_shape(first_shape)
+        ext.set_decode_kernel(first_kernel)
