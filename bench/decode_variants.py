@@ -114,7 +114,7 @@ def variants(fmt, case, extra):
         return [("plain", tuple(tdec._config(q, kc, max_len)), True)]
     out = []
     for mode, name in MODES:
-        cfg = tuple(tdec._config(q, kc, max_len, bool(mode)))
+        cfg = tuple(tdec._config(q, kc, max_len, tdec._uses_sad(mode, tdec.cache_format(kc), d)))
         out.append((name, cfg + (mode,), True))
         if extra and mode:
             bn, sp, w, st = cfg

@@ -14,7 +14,8 @@ Two launches, both sized from shapes only (no host sync, so CUDA graphs can capt
    and (max, sum). With an 8-bit cache and ``_SCALE_AFTER_DOT`` set, ``_decode_split_sad`` runs instead: it
    feeds each [BLOCK_N, 32] block of codes to its own dot through one cast and applies the scales to the
    fp32 scores and to P (see its docstring).
-2. ``_decode_merge``, grid ``[batch, num_q_heads]``: combines the partials.
+2. ``_decode_merge``, grid ``[batch, num_q_heads, head_dim / 64]``: combines the partials, up to
+   ``_MERGE_CHUNK`` splits per step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ _LOG2E = 1.4426950408889634
 # only and dequantizes the values; False (0) dequantizes both before the dots. On an H200 (B=1, 128k tokens,
 # 32/8 heads, d128) mode 2 ran in 164 us, mode 1 in 200 us and mode 0 in 214 us, hence the default.
 _SCALE_AFTER_DOT = 2
+# Splits the merge combines per step (the tests lower it to cross steps with short sequences).
+_MERGE_CHUNK = 128
 
 
 @triton.jit
@@ -131,6 +134,12 @@ def _codes(ptrs, keep, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.con
 
 
 @triton.jit
+def _half(word, HI: tl.constexpr):
+    """The fp16 in the low (HI 0) or high (HI 1) half of an int32 scale word, as fp32."""
+    return ((word >> (16 * HI)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, vs_ptr, bt_ptr, sbt_b, len_ptr,
                       acc_ptr, ml_ptr, num_splits, qk_scale, window_left, softcap, num_pages, max_len,
                       PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -182,17 +191,20 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
         k_row = kc_ptr + (page * sk_page + off * (HKV * D) + h * D) + e[None, :]  # [BLOCK_N, 32]
         v_row = vc_ptr + (page * sv_page + off * (HKV * D) + h * D) + e[None, :]
         slot = tl.reshape(page, (BLOCK_N,)) * PAGE_SIZE + n % PAGE_SIZE
-        # The tile's scales, [BLOCK_N, NB]: rows of NB contiguous fp16 that the pipeliner can copy asynchronously;
-        # a column is picked with a sum that stays within a thread.
-        nb = tl.arange(0, NB)[None, :]
-        s_off = (slot * (HKV * NB) + h * NB)[:, None] + nb
-        ks = tl.load(ks_ptr + s_off, mask=keep[:, None], other=0.0).to(tl.float32)
-        vs = tl.load(vs_ptr + s_off, mask=keep[:, None], other=0.0).to(tl.float32)
+        # The scales travel as int32 words of two fp16 (NB is even): [BLOCK_N] vectors of 4-byte elements the
+        # pipeliner copies asynchronously and reads back in the layout of their use, so no block's scale needs
+        # a layout conversion (a [BLOCK_N, NB] tile did, through shared memory, once per block).
+        w_off = slot * (HKV * NB // 2) + h * (NB // 2)
+        kws = ()
+        vws = ()
+        for j in tl.static_range(NB // 2):
+            kws = kws + (tl.load(ks_ptr + w_off + j, mask=keep, other=0),)
+            vws = vws + (tl.load(vs_ptr + w_off + j, mask=keep, other=0),)
 
         s = tl.zeros([GP, BLOCK_N], tl.float32)
         for bb in tl.static_range(NB):
             kb = _codes(k_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
-            ksb = tl.sum(tl.where(nb == bb, ks, 0.0), axis=1) * SCALE_MUL
+            ksb = _half(kws[bb // 2], bb % 2) * SCALE_MUL
             s += tl.dot(qs[bb], tl.trans(kb)) * ksb[None, :]
         s = tl.where(keep[None, :], scores(s, qk_scale, softcap, SOFTCAP), float("-inf"))
 
@@ -203,9 +215,11 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
         if V_AFTER:
-            # One cross-warp reduction for all blocks; a block's max is then picked within a warp.
-            c_all = tl.max(vs, axis=0)[None, :]  # [1, NB]
-            c_all = tl.where(c_all > 0.0, c_all, 1.0)
+            # One cross-warp reduction for all blocks.
+            c_all = ()
+            for bb in tl.static_range(NB):
+                cb = tl.max(_half(vws[bb // 2], bb % 2), axis=0)
+                c_all = c_all + (tl.where(cb > 0.0, cb, 1.0),)
         else:
             pv16 = cast(p, tl.float16, INTERP)
             if INTERP:
@@ -213,9 +227,9 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
         new_accs = ()
         for bb in tl.static_range(NB):
             vb = _codes(v_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
-            vsb = tl.sum(tl.where(nb == bb, vs, 0.0), axis=1)
+            vsb = _half(vws[bb // 2], bb % 2)
             if V_AFTER:
-                c = tl.max(tl.max(tl.where(nb == bb, c_all, 0.0), axis=1), axis=0)
+                c = c_all[bb]
                 pb = (p * (vsb * (1.0 / c))[None, :]).to(tl.float16)
                 if INTERP:
                     pv = tl.dot(upcast(pb, INTERP), vb)
@@ -240,21 +254,33 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
 
 @triton.jit
 def _decode_merge(acc_ptr, ml_ptr, out_ptr, so_b, so_h, num_splits, HQ: tl.constexpr, D: tl.constexpr,
-                  SP: tl.constexpr, INTERP: tl.constexpr):
+                  DC: tl.constexpr, CH: tl.constexpr, INTERP: tl.constexpr):
+    """Combines the splits of one (sequence, query head) for DC output columns, CH splits at a time with a
+    running maximum: a [CH, DC] tile stays in registers whatever the split count (all splits in one tile
+    spilled at head_dim 256 with a few hundred splits), and short sequences get more programs in flight."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    sp = tl.arange(0, SP)
-    d = tl.arange(0, D)
-    part = (b * HQ + h) * num_splits + sp
-    live = sp < num_splits
-    m = tl.load(ml_ptr + part * 2, mask=live, other=float("-inf"))
-    l = tl.load(ml_ptr + part * 2 + 1, mask=live, other=0.0)
-    mx = tl.max(m, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(m - mx)  # empty splits (m = -inf) weigh 0
-    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-    total = tl.sum(w * l, axis=0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1.1754943508222875e-38)  # seq_len 0 -> 0
+    c = tl.arange(0, CH)
+    d = tl.program_id(2) * DC + tl.arange(0, DC)
+    base = (b * HQ + h) * num_splits
+    m_run = float("-inf")
+    total = 0.0
+    o = tl.zeros([DC], tl.float32)
+    for s0 in range(0, num_splits, CH):
+        part = base + s0 + c
+        live = s0 + c < num_splits
+        # All three loads first: none waits on another's latency.
+        acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        m = tl.load(ml_ptr + part * 2, mask=live, other=float("-inf"))
+        l = tl.load(ml_ptr + part * 2 + 1, mask=live, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(m - m_use)  # empty splits (m = -inf) weigh 0
+        total = total * alpha + tl.sum(w * l, axis=0)
+        o = o * alpha + tl.sum(acc * w[:, None], axis=0)
+        m_run = m_new
+    o = o / tl.maximum(total, 1.1754943508222875e-38)  # seq_len 0 -> 0
     tl.store(out_ptr + b * so_b + h * so_h + d, cast(o, out_ptr.dtype.element_ty, INTERP))
 
 
@@ -263,31 +289,45 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _config(query, k_cache, max_len, scale_after_dot=None):
-    """(BLOCK_N, num_splits, num_warps, num_stages), from shapes only.
+def _config(query, k_cache, max_len, sad=None):
+    """(BLOCK_N, num_splits, num_warps, num_stages), from shapes only; ``sad``: the scale-after-dot kernel runs.
 
     Splits: enough programs for several resident CTAs per SM (the work per program is uniform, so a large
-    count also makes the last wave short). Dequantize-then-dot does more arithmetic per byte, so it wants
-    more CTAs in flight than the unquantized path (a sweep on an H200 at 128k tokens, with an earlier version
-    of the 8-bit dequantization, favoured 8 vs 4 per SM). The scale-after-dot path feeds its [BLOCK_N, 32]
-    tiles to the dots like the unquantized path feeds its tiles, so it takes the unquantized path's splits
-    and warps; its tiles are 32 columns whatever head_dim, so BLOCK_N 64 also suits head_dim 256.
+    count also makes the last wave short). The scale-after-dot kernel runs one warp per program up to head_dim
+    128: a warp then owns its tiles' softmax, where four warps split each tile's columns and meet in shared
+    memory for every row maximum and for P (on an H200, batch 1, 128k tokens: 22% less time at head_dim 128,
+    47% less at 64).
+    At head_dim 256 one warp's registers cannot hold the query and the accumulators.
     """
     batch, _, d = query.shape
     hkv = k_cache.shape[2]
     if INTERPRET:
         # Small tiles and several splits so short test sequences cross tile, page and split boundaries.
         return 16, max(1, min(4, triton.cdiv(max_len, 16))), 4, 1
-    sad = _SCALE_AFTER_DOT if scale_after_dot is None else scale_after_dot
+    if sad is None:
+        sad = _uses_sad(_SCALE_AFTER_DOT, cache_format(k_cache), d)
     plain = cache_format(k_cache) == FMT_PLAIN
-    sad_8bit = sad and not plain
-    block_n = 64 if d <= 128 or sad_8bit else 32
     sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
-    per_sm = 4 if plain or sad else 8
+    if sad and d <= 128:
+        # head_dim 64: half the bytes per tile, so more programs in flight (12 vs 8 per SM: up to 15% faster).
+        block_n, per_sm, warps, stages = 32, (12 if d <= 64 else 8), 1, 3
+    elif sad:
+        block_n, per_sm, warps, stages = 64, 4, 2, 2
+    else:
+        # Dequantize-then-dot (mode 0) does more arithmetic per byte than the unquantized path, so it wants
+        # more CTAs in flight.
+        block_n, per_sm, warps, stages = (64 if d <= 128 else 32), (4 if plain else 8), 4, (3 if d <= 128 else 2)
     splits = max(1, min(round(per_sm * sms / (batch * hkv)), triton.cdiv(max_len, block_n), 256))
-    # Two stages for the scale-after-dot path (on an H200: 4-13% faster than three on most benchmark shapes, none
-    # more than 1% slower) and for wide rows; three otherwise.
-    return block_n, splits, 4, 2 if sad_8bit or d > 128 else 3
+    if sad and d > 128 and triton.cdiv(max_len, splits * block_n) <= 2:
+        # Two warps suit programs that walk several tiles; four split each tile's columns between them, which
+        # shortens programs of one or two tiles (short sequences).
+        warps = 4
+    return block_n, splits, warps, stages
+
+
+def _uses_sad(mode: int, fmt: int, d: int) -> bool:
+    """The scale-after-dot kernel reads the scales as int32 pairs, so it needs an even count per row."""
+    return mode != 0 and fmt != FMT_PLAIN and (d // 32) % 2 == 0
 
 
 def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, window_left,
@@ -305,12 +345,14 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     mode = int(_SCALE_AFTER_DOT if config is None or len(config) < 5 else config[4])
     if mode not in (0, 1, 2):
         raise ValueError(f"kvq.decode_attention: scale-after-dot mode must be 0, 1 or 2, got {mode}")
-    block_n, splits, warps, stages = config[:4] if config else _config(query, k_cache, max_len, bool(mode))
     fmt = cache_format(k_cache)
-    sad = mode != 0 and fmt != FMT_PLAIN
+    sad = _uses_sad(mode, fmt, d)
+    block_n, splits, warps, stages = config[:4] if config else _config(query, k_cache, max_len, sad)
     kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1)) if sad else (_decode_split, {})
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
+    if sad:
+        ks, vs = ks.view(torch.int32), vs.view(torch.int32)
     acc = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=query.device)
     ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=query.device)
     kernel[(batch, hkv, splits)](
@@ -319,5 +361,7 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
         float(logit_softcap), k_cache.shape[0], max_len, PAGE_SIZE=page_size, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
         BLOCK_N=block_n, FMT=fmt, SOFTCAP=logit_softcap > 0, INTERP=INTERPRET,
         E4M3_CVT=has_e4m3_cvt(query.device), num_warps=warps, num_stages=stages, **extra)
-    _decode_merge[(batch, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
-                               SP=triton.next_power_of_2(splits), INTERP=INTERPRET)
+    dc = min(d, 64)
+    _decode_merge[(batch, hq, d // dc)](acc, ml, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d, DC=dc,
+                                        CH=min(triton.next_power_of_2(splits), _MERGE_CHUNK), INTERP=INTERPRET,
+                                        num_stages=1)
