@@ -125,6 +125,15 @@ def test_triton_decode_many_splits(fmt, monkeypatch):
     check_decode("triton", fmt, torch.bfloat16, 4, 2, 256, 16, [1200, 5, 0], config=(16, 40, 4, 1))
 
 
+@pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
+def test_triton_decode_head_dim_32(fmt, dtype):
+    """One scale per row: the scale-after-dot kernel reads scales in pairs, so this runs dequantize-then-dot."""
+    from kvq.triton_backend import decode
+
+    assert not decode._uses_sad(decode._SCALE_AFTER_DOT, decode.cache_format(torch.empty(0, dtype=torch.int8)), 32)
+    check_decode("triton", fmt, dtype, 4, 2, 32, 16, [40, 3, 17])
+
+
 # GPU: every format x head_dim, with GQA ratio / page size / window / soft-cap rotating over the cases.
 _COMBOS = [(1, 1, -1, 0.0), (4, 16, -1, 0.0), (8, 256, 1000, 0.0), (16, 16, -1, 30.0), (4, 256, -1, 0.0),
            (8, 1, 100, 20.0)]
