@@ -125,6 +125,14 @@ def test_triton_decode_many_splits(fmt, monkeypatch):
     check_decode("triton", fmt, torch.bfloat16, 4, 2, 256, 16, [1200, 5, 0], config=(16, 40, 4, 1))
 
 
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
+def test_triton_decode_modes(fmt, dtype, mode):
+    """The 8-bit paths that a ``config`` selects instead of the default (scale after the dot for the keys):
+    dequantize-then-dot (0) and the scale after the dot for the values as well (1)."""
+    check_decode("triton", fmt, dtype, 8, 2, 128, 16, [70, 33, 1], window_left=40, config=(16, 3, 4, 1, mode))
+
+
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_head_dim_32(fmt, dtype):
     """One scale per row: the scale-after-dot kernel reads scales in pairs, so this runs dequantize-then-dot."""
