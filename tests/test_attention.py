@@ -136,9 +136,9 @@ def test_triton_decode_modes(fmt, dtype, mode):
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_head_dim_32(fmt, dtype):
     """One scale per row: the scale-after-dot kernel reads scales in pairs, so this runs dequantize-then-dot."""
-    from kvq.triton_backend import decode
+    from kvq.triton_backend import _common, decode
 
-    assert not decode._uses_sad(decode._SCALE_AFTER_DOT, decode.cache_format(torch.empty(0, dtype=torch.int8)), 32)
+    assert not decode._uses_sad(decode._SCALE_AFTER_DOT, _common.FMT_Q8_0 if fmt == "q8_0" else _common.FMT_E4M3, 32)
     check_decode("triton", fmt, dtype, 4, 2, 32, 16, [40, 3, 17])
 
 

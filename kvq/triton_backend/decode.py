@@ -216,7 +216,7 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
         if V_AFTER:
-            # One cross-warp reduction for all blocks.
+            # Each block's largest scale over the tile (one reduction per block).
             c_all = ()
             for bb in tl.static_range(NB):
                 cb = tl.max(_half(vws[bb // 2], bb % 2), axis=0)
@@ -305,9 +305,10 @@ def _config(query, k_cache, max_len, sad=None):
     if INTERPRET:
         # Small tiles and several splits so short test sequences cross tile, page and split boundaries.
         return 16, max(1, min(4, triton.cdiv(max_len, 16))), 4, 1
+    fmt = cache_format(k_cache)
     if sad is None:
-        sad = _uses_sad(_SCALE_AFTER_DOT, cache_format(k_cache), d)
-    plain = cache_format(k_cache) == FMT_PLAIN
+        sad = _uses_sad(_SCALE_AFTER_DOT, fmt, d)
+    plain = fmt == FMT_PLAIN
     sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
     if sad and d <= 128:
         # head_dim 64: half the bytes per tile, so more programs in flight (12 vs 8 per SM: up to 15% less time).
