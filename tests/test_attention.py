@@ -179,6 +179,19 @@ def test_decode_long_gpu(backend, fmt):
     check_decode(backend, fmt, dt, 32, 8, 128, 16, [131072, 70001], device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_short_gpu(backend, fmt, d):
+    """Short contexts only (max 4k tokens): the launch shapes chosen for them (one-tile splits, and Triton's
+    32-token tiles on four warps at head_dim 256) are not the ones of the long cases above."""
+    hkv = 2 if d == 256 else 8
+    lens = [4096, 1, 33, 1000, 4000, 2049] if d == 256 else [1024, 17, 1000, 512]
+    for b in (1, len(lens)):
+        check_decode(backend, fmt, torch.bfloat16, 8 * hkv, hkv, d, 16, lens[:b], device="cuda")
+
+
 def _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap):
     truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
     for b, n0 in enumerate(prefix):
