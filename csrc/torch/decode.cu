@@ -113,9 +113,9 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
     p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), one_tile, sms);
   // head_dim 256: the 8-row kernel spills its accumulators (ptxas, sm_90) and the 16-row one does not, which
   // pays wherever a warp walks several tiles. Over one or two, its longer code costs more for 8-bit caches (on
-  // an H200, 16/2 heads, batch 1: 1k-4k tokens 11-15% more time; 32k 4% less, 128k 17-20% less). bf16 caches
-  // took 1-17% less time at every length. Both instances have the same warps, stages and occupancy, so the
-  // split count above holds for either.
+  // an H200, 16/2 heads, batch 1: 1k-4k tokens 11-15% more time; 32k 4% less, 128k 17-20% less). bf16 caches,
+  // which read the query after their first tiles, took up to 17% less time (1% more at batch 64, 1k tokens).
+  // Both instances have the same warps, stages and occupancy, so the split count above holds for either.
   if (tc && p.head_dim == 256) {
     const int64_t span = (max_tokens + p.num_splits - 1) / p.num_splits;
     const int round = kvq::decode_tc::kTile * tc_shape.warps;  // tokens of one tile for each warp

@@ -170,8 +170,9 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
   // power of two that brings its largest element into [2^14, 2^15) (exact for bf16 and fp16 queries), and
   // the score is multiplied back in fp32.
   // Unquantized caches read the query after the first tiles are in flight, so that at short contexts the
-  // two global round trips overlap (on an H200, bf16, 1k-8k tokens: 2-5% less time at head_dim 128, up to 17%
-  // at 256). 8-bit caches read it first: the other order cost them 3-9% at 1k-8k tokens.
+  // two global round trips overlap (on an H200, bf16, 1k-8k tokens: 1-5% less time at head_dim 128; at 256
+  // the 16-row kernel was 4-9% slower than the 8-row one without it and 7-17% faster with it). 8-bit caches
+  // read it first: the other order cost them 3-9% at 1k-8k tokens.
   using QT = std::conditional_t<kQuant, __half, T>;
   uint32_t qa[KS][kRows2 ? 4 : 2];
   float qs[kRows];  // per row: sm_scale (* log2 e) / the row's power of two
