@@ -118,8 +118,8 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // Both instances have the same warps, stages and occupancy, so the split count above holds for either.
   if (tc && p.head_dim == 256) {
     const int64_t span = (max_tokens + p.num_splits - 1) / p.num_splits;
-    const int round = kvq::decode_tc::kTile * tc_shape.warps;  // tokens of one tile for each warp
-    p.tc_rows16 = !c.quantized || (span + round - 1) / round >= 3;
+    const int tiles_tokens = kvq::decode_tc::kTile * tc_shape.warps;  // one tile for each warp of the CTA
+    p.tc_rows16 = !c.quantized || (span + tiles_tokens - 1) / tiles_tokens >= 3;  // tiles per warp
   }
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));
