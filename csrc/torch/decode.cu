@@ -62,10 +62,15 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
 
   const c10::cuda::CUDAGuard guard(dev);
   const at::Tensor lens = seq_lens.contiguous();
+  // The tensor-core kernel reads query rows in 16-byte pieces: a view whose rows are not 16-byte aligned
+  // (rare: an odd offset into a larger tensor) is copied first.
+  const bool aligned = reinterpret_cast<uintptr_t>(query.data_ptr()) % 16 == 0 && query.stride(0) % 8 == 0 &&
+                       query.stride(1) % 8 == 0;
+  const at::Tensor q = aligned ? query : at::empty(query.sizes(), query.options()).copy_(query);
   kvq::DecodeParams p;
-  p.query = query.data_ptr();
-  p.q_stride_batch = query.stride(0);
-  p.q_stride_head = query.stride(1);
+  p.query = q.data_ptr();
+  p.q_stride_batch = q.stride(0);
+  p.q_stride_head = q.stride(1);
   p.out = out.data_ptr();
   p.o_stride_batch = out.stride(0);
   p.o_stride_head = out.stride(1);

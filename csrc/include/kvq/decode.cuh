@@ -47,6 +47,16 @@ struct DecodeParams {
 
 namespace detail {
 
+// The split kernels' partials: acc [batch, num_q_heads, parts, head_dim] first, so that its rows start
+// 16-byte aligned, then (m, l) [batch, num_q_heads, parts, 2].
+struct Workspace {
+  float* acc;
+  float* ml;
+};
+__device__ __forceinline__ Workspace workspace_of(const DecodeParams& p, int parts) {
+  return {p.workspace, p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * p.head_dim};
+}
+
 constexpr int kChunkTokens = 32;
 constexpr int kStages = 2;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -331,8 +341,7 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
   // ---- this warp's partial: [batch, num_q_heads, parts] (m, l) and [batch, num_q_heads, parts, HD] acc
   const int parts = p.num_splits * C::kWarps;
   const int part = split * C::kWarps + warp;
-  float* ws_ml = p.workspace;
-  float* ws_acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2;
+  const Workspace ws = workspace_of(p, parts);
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     if (g < G) {
@@ -341,11 +350,11 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
       for (int o = 16; o > 0; o /= 2) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
       const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * parts + part;
       if (lane == 0) {
-        ws_ml[row * 2] = m[g];
-        ws_ml[row * 2 + 1] = lsum;
+        ws.ml[row * 2] = m[g];
+        ws.ml[row * 2 + 1] = lsum;
       }
 #pragma unroll
-      for (int e = 0; e < kE; ++e) ws_acc[row * HD + lane * kE + e] = acc[g][e];
+      for (int e = 0; e < kE; ++e) ws.acc[row * HD + lane * kE + e] = acc[g][e];
     }
   }
 }
@@ -382,8 +391,9 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
   const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * parts;
-  const float* ml = p.workspace + row * 2;
-  const float* acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2 + row * hd;
+  const Workspace ws = workspace_of(p, parts);
+  const float* ml = ws.ml + row * 2;
+  const float* acc = ws.acc + row * hd;
 
   float mx = -INFINITY;
   for (int i = tid; i < parts; i += kMergeThreads) mx = nanmax(mx, ml[2 * i]);

@@ -172,62 +172,73 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
   // Unquantized caches read the query after the first tiles are in flight, so that at short contexts the
   // two global round trips overlap (on an H200, bf16, 1k-8k tokens: 1-5% less time at head_dim 128; at 256
   // the 16-row kernel was 4-9% slower than the 8-row one without it and 7-17% faster with it). 8-bit caches
-  // read it first: the other order cost them 3-9% at 1k-8k tokens.
+  // read it just before their first tiles: after them it cost 3-9% at 1k-8k tokens (measured with one load
+  // per element, before the 16-byte loads), and at the top of the kernel ptxas (sm_90) spilled a register
+  // inside the tile loop of the head_dim 128, 8-row instance (6-13% more time at batch 64).
   using QT = std::conditional_t<kQuant, __half, T>;
   uint32_t qa[KS][kRows2 ? 4 : 2];
   float qs[kRows];  // per row: sm_scale (* log2 e) / the row's power of two
   const bool softcap = p.logit_softcap > 0.0f;
   const float qscale = softcap ? p.sm_scale : p.sm_scale * kLog2e;
   auto load_query = [&]() {
-    const T* q = static_cast<const T*>(p.query);
-    auto qval = [&](int row, int e) -> float {
-      return row < G ? to_float(q[b * p.q_stride_batch + (kvh * G + row) * p.q_stride_head + e]) : 0.0f;
-    };
-    // Element e0 of k-step ks for this thread (elements e0, e0 + 1 as k = 2 tig, 2 tig + 1; e0 + 2, e0 + 3
-    // as k = 2 tig + 8, 2 tig + 9).
-    auto e0_of = [&](int ks) {
-      return kQuant ? 32 * (ks / 2) + 8 * tig + 4 * (ks % 2)
-                    : C::kCE * (4 * (ks / C::kKPC) + tig) + 4 * (ks % C::kKPC);
-    };
-    int shift[kRows];
+    // k-steps 2j and 2j + 1 of this thread take elements [8 c, 8 c + 8) of its rows, c = 4 j + tig (k = 2 tig,
+    // 2 tig + 1 from words 0 and 2, k = 2 tig + 8, 2 tig + 9 from words 1 and 3): one 16-byte load per row and
+    // pair of k-steps (the adapter passes a 16-byte aligned query).
+    constexpr int kQC = HD / 32;
+    const T* q = static_cast<const T*>(p.query) + b * p.q_stride_batch + kvh * G * p.q_stride_head + 8 * tig;
+    uint4 raw[kRows][kQC];
 #pragma unroll
     for (int h = 0; h < kRows; ++h) {
-      float amax = 0.0f;
+      const int row = gid + 8 * h;
+#pragma unroll
+      for (int j = 0; j < kQC; ++j)
+        raw[h][j] = row < G ? __ldg(reinterpret_cast<const uint4*>(q + row * p.q_stride_head + 32 * j))
+                            : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int h = 0; h < kRows; ++h) {
+      qs[h] = qscale;
       if constexpr (kQuant) {
+        float f[kQC][8];
+        float amax = 0.0f;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
+        for (int j = 0; j < kQC; ++j) {
+          unpack8<T>(raw[h][j], f[j]);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(qval(gid + 8 * h, e0_of(ks) + e)));
+          for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[j][e]));
+        }
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      }
-      // amax in [2^(ex-1), 2^ex) (a subnormal amax reads as ex = -126, which the clamp below treats alike)
-      const int ex = amax > 0.0f && amax <= 3.4e38f ? ((__float_as_int(amax) >> 23) & 0xFF) - 126 : 0;
-      shift[h] = kQuant ? min(max(15 - ex, -120), 100) : 0;
-      qs[h] = qscale * pow2(-shift[h]);
-    }
-    auto qpair = [&](int h, int e) -> uint32_t {
-      const int row = gid + 8 * h;
-      const float f = pow2(shift[h]);  // as ldexpf: exact unless the result is subnormal
-      __align__(4) QT v[2] = {from_float<QT>(qval(row, e) * f), from_float<QT>(qval(row, e + 1) * f)};
-      return *reinterpret_cast<const uint32_t*>(v);
-    };
+        // amax in [2^(ex-1), 2^ex) (a subnormal amax reads as ex = -126, which the clamp below treats alike)
+        const int ex = amax > 0.0f && amax <= 3.4e38f ? ((__float_as_int(amax) >> 23) & 0xFF) - 126 : 0;
+        const int shift = min(max(15 - ex, -120), 100);
+        qs[h] = qscale * pow2(-shift);
+        const float mul = pow2(shift);  // as ldexpf: exact unless the result is subnormal
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const int e0 = e0_of(ks);
-      if constexpr (kRows2) {
-        qa[ks][0] = qpair(0, e0);
-        qa[ks][1] = qpair(1, e0);
-        qa[ks][2] = qpair(0, e0 + 2);
-        qa[ks][3] = qpair(1, e0 + 2);
-      } else {
-        qa[ks][0] = qpair(0, e0);
-        qa[ks][1] = qpair(0, e0 + 2);
+        for (int j = 0; j < kQC; ++j) {
+          uint32_t* w = reinterpret_cast<uint32_t*>(&raw[h][j]);
+#pragma unroll
+          for (int x = 0; x < 4; ++x) w[x] = pack2<__half>(f[j][2 * x] * mul, f[j][2 * x + 1] * mul);
+        }
       }
     }
+#pragma unroll
+    for (int j = 0; j < kQC; ++j)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&raw[0][j]);
+        const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&raw[kRows - 1][j]);
+        if constexpr (kRows2) {
+          qa[2 * j + s][0] = w0[2 * s];
+          qa[2 * j + s][1] = w1[2 * s];
+          qa[2 * j + s][2] = w0[2 * s + 1];
+          qa[2 * j + s][3] = w1[2 * s + 1];
+        } else {
+          qa[2 * j + s][0] = w0[2 * s];
+          qa[2 * j + s][1] = w0[2 * s + 1];
+        }
+      }
   };
-  if constexpr (kQuant) load_query();
-
   const detail::WarpTokens wt = detail::warp_tokens<kTile, C::kWarps>(p, cache.length(b), split, warp);
   const int end = wt.end, first = wt.first, step = wt.step, num_tiles = wt.count;
 
@@ -324,6 +335,7 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
 #pragma unroll
     for (int e = 0; e < 2 * kRows; ++e) o[j][e] = 0.0f;
 
+  if constexpr (kQuant) load_query();
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < num_tiles) issue(s);
@@ -515,29 +527,30 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
     }
   }
   __syncthreads();
-  const int parts = p.num_splits;
-  float* ws_ml = p.workspace;
-  float* ws_acc = p.workspace + static_cast<int64_t>(p.batch) * p.num_q_heads * parts * 2;
-  for (int i = threadIdx.x; i < G * HD; i += C::kWarps * 32) {
-    const int g = i / HD, d = i % HD;
+  const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
+  // Four columns per thread and step: 16-byte shared-memory reads and global stores.
+  for (int i = threadIdx.x; i < G * HD / 4; i += C::kWarps * 32) {
+    const int g = 4 * i / HD, d = 4 * i % HD;
     float mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < C::kWarps; ++w) mx = detail::nanmax(mx, red_ml[(w * GMAX + g) * 2]);
-    float lsum = 0.0f, acc = 0.0f;
+    float lsum = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (mx != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < C::kWarps; ++w) {
         const float mw = red_ml[(w * GMAX + g) * 2];
         const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
         lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
-        acc += red_o[(w * GMAX + g) * HD + d] * sc;
+        const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
+        acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
       }
     }
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * parts + split;
-    ws_acc[row * HD + d] = acc;
+    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * p.num_splits + split;
+    *reinterpret_cast<float4*>(ws.acc + row * HD + d) = acc;
     if (d == 0) {
-      ws_ml[row * 2] = mx;
-      ws_ml[row * 2 + 1] = lsum;
+      ws.ml[row * 2] = mx;
+      ws.ml[row * 2 + 1] = lsum;
     }
   }
 }
