@@ -196,6 +196,17 @@ def test_decode_short_gpu(backend, fmt, d):
         check_decode(backend, fmt, torch.bfloat16, 8 * hkv, hkv, d, 16, lens[:b], device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+@pytest.mark.parametrize("batch", [48, 100])
+def test_decode_large_batch_gpu(backend, fmt, batch):
+    """Many (sequence, kv head) pairs: one split each, or, past the GPU's slots, a few splits that fill whole
+    waves; the merge then combines few parts per head."""
+    lens = torch.randint(1, 9000, (batch,)).tolist()
+    check_decode(backend, fmt, torch.bfloat16, 32, 8, 128, 16, lens, device="cuda")
+
+
 def _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap):
     truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
     for b, n0 in enumerate(prefix):

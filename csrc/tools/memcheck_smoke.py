@@ -64,5 +64,15 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
             torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
         if hasattr(_C, "set_extend_shape"):
             _C.set_extend_shape("auto")
+# More (sequence, kv head) pairs than the GPU holds at once: splits chosen to fill whole waves.
+for cache_dt in (torch.int8, torch.bfloat16):
+    kc, ks = kvq.new_cache(40, 16, 8, 128, cache_dt, dev)
+    vc, vs = kvq.new_cache(40, 16, 8, 128, cache_dt, dev)
+    key = torch.randn(640, 8, 128, dtype=torch.bfloat16, device=dev)
+    torch.ops.kvq.store_kv(key, torch.randn_like(key), kc, vc, ks, vs, torch.arange(640, device=dev))
+    table = torch.randint(0, 40, (160, 128), dtype=torch.int32, device=dev)
+    lens = torch.randint(0, 2049, (160,), dtype=torch.int32, device=dev)
+    q = torch.randn(160, 32, 128, dtype=torch.bfloat16, device=dev)
+    torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
 torch.cuda.synchronize()
 print(f"memcheck smoke ({'all slots written' if full else 'out-of-range indices'}): ok")

@@ -499,12 +499,27 @@ inline int decode_warps(Format format, DType dtype, int head_dim) {
 // Splits along the sequence, from shapes only (graph-safe): as many CTAs as the GPU holds at once
 // (slots = SMs x CTAs per SM), but no split shorter than min_span tokens of the longest sequence the
 // block table can hold.
+//
+// More (sequence, kv head) pairs than slots: CTAs of equal work run in waves, and a last wave that fills a
+// fraction of the slots idles the rest for a whole CTA's time. Then take the fewest splits (up to 8, each
+// at least 8 x min_span tokens) whose waves are 90% full, or the fullest. On an H200 (batch 64, 32/8 heads,
+// head_dim 128: 512 pairs on 396 slots, 3 splits): bf16 6-9% less time from 8k tokens; 8-bit caches 3-9%
+// less at 32k and 128k. With 1k tokens 8-bit caches took 6% more, hence the length floor.
 inline int decode_num_splits(int batch, int num_kv_heads, int max_tokens, int min_span, int slots) {
-  const int ctas = batch * num_kv_heads;
-  if (ctas <= 0 || min_span <= 0) return 1;
-  const int want = slots / ctas;
-  const int cap = (max_tokens + min_span - 1) / min_span;
-  return std::max(1, std::min(want, std::min(cap, 256)));
+  const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads;
+  if (ctas <= 0 || min_span <= 0 || slots <= 0) return 1;
+  const int cap = std::min((max_tokens + min_span - 1) / min_span, 256);
+  if (ctas <= slots) return std::max(1, std::min(static_cast<int>(slots / ctas), cap));
+  const int most = std::min(8, std::max(1, max_tokens / (8 * min_span)));
+  int best = 1;
+  double best_fill = 0.0;
+  for (int s = 1; s <= most; ++s) {
+    const int64_t n = ctas * s, waves = (n + slots - 1) / slots;
+    const double fill = static_cast<double>(n) / static_cast<double>(waves * slots);
+    if (fill >= 0.9) return s;
+    if (fill > best_fill) best = s, best_fill = fill;
+  }
+  return best;
 }
 
 inline int64_t decode_workspace_floats(int batch, int num_q_heads, int head_dim, int num_splits, int warps) {
