@@ -378,6 +378,17 @@ __device__ __forceinline__ float block_reduce(float x, float identity, Op op, fl
 
 constexpr int kMergeCols = 64;  // output columns per merge CTA; head_dim is a multiple
 
+// The partials of query head h of sequence b: its (m, l) pairs and its accumulator rows.
+struct HeadPartials {
+  const float* ml;
+  const float* acc;
+};
+__device__ __forceinline__ HeadPartials head_partials(const DecodeParams& p, int parts, int b, int h) {
+  const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * parts;
+  const Workspace ws = workspace_of(p, parts);
+  return {ws.ml + row * 2, ws.acc + row * p.head_dim};
+}
+
 // grid (num_q_heads, batch, head_dim / kMergeCols); block kMergeThreads: combine the partials of one query
 // head for 64 of its columns. Each part's weight is computed once per CTA (one thread per part), and the
 // columns are summed by kMergeThreads / 64 groups of threads over interleaved parts, so no thread walks the
@@ -390,10 +401,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   __shared__ float scratch[kMergeThreads / 32];
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
-  const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * parts;
-  const Workspace ws = workspace_of(p, parts);
-  const float* ml = ws.ml + row * 2;
-  const float* acc = ws.acc + row * hd;
+  const auto [ml, acc] = head_partials(p, parts, b, h);
 
   float mx = -INFINITY;
   for (int i = tid; i < parts; i += kMergeThreads) mx = nanmax(mx, ml[2 * i]);
@@ -442,10 +450,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
   __shared__ float mlo_s[3][kMergeThreads];
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
-  const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + h) * parts;
-  const Workspace ws = workspace_of(p, parts);
-  const float* ml = ws.ml + row * 2;
-  const float* acc = ws.acc + row * hd;
+  const auto [ml, acc] = head_partials(p, parts, b, h);
   const int g = tid / kMergeCols, c = tid % kMergeCols, d = blockIdx.z * kMergeCols + c;
   float mi[kU], li[kU], ai[kU];
 #pragma unroll
