@@ -33,6 +33,11 @@ def pytest_report_header(config):
     return f"kvq test seed: KVQ_TEST_SEED={BASE_SEED}"
 
 
+def pytest_terminal_summary(terminalreporter):
+    # Also at the end, where `pytest -q` (which drops the header) still prints it.
+    terminalreporter.write_line(f"kvq test seed: KVQ_TEST_SEED={BASE_SEED}")
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(BASE_SEED + zlib.crc32(request.node.nodeid.encode()))

@@ -264,7 +264,12 @@ def test_decode_and_extend_references_agree():
     out_d = torch.full_like(q[-1:], math.nan)
     reference.decode_attention(q[-1:], p.k_cache, p.v_cache, None, None, p.block_table, p.seq_lens, 0.125, -1,
                                0.0, out_d)
-    assert torch.equal(out_e[-1:], out_d)
+    # Both are fp32 attention rounded once to bf16, but the products of 7 query rows and of 1 sum in different
+    # orders (CPU BLAS blocking): fp32 results a few 1e-8 apart (outputs are of order 1), and a value near a
+    # rounding boundary lands one bf16 ulp apart (about 4% of random draws). No further.
+    a, b = out_e[-1:].float(), out_d.float()
+    bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6
+    assert bool(((a - b).abs() <= bound).all()), f"max difference {(a - b).abs().max().item():.3e}"
     assert not torch.isnan(out_e).any()
 
 
