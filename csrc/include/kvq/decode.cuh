@@ -481,6 +481,8 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
   if (parts > detail::kMaxParts) return cudaErrorInvalidValue;
   return KVQ_DISPATCH_DTYPE(p.dtype, O, {
     const dim3 grid(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols);
+    // One pass for 4 to 16 parts: on an H200 it took 3-9% less time at batch 1-8 with 1k-2k tokens, but 2-3%
+    // more with 1-3 parts (batch 64), and a one-pass merge over 30-50 parts per thread group 5-8% more.
     if (parts >= 4 && parts <= detail::kShortMergeParts)
       detail::decode_merge_short_kernel<O><<<grid, detail::kMergeThreads, 0, stream>>>(p, parts);
     else
