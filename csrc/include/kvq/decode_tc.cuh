@@ -50,16 +50,22 @@ struct Cfg {
   static constexpr int kVSOff = kKSOff + kTile * kScaleBytes;
   static constexpr int kMaskOff = kVSOff + kTile * kScaleBytes;
   static constexpr int kStageBytes = kMaskOff + 16;
-  // At most 72 KB per CTA, so that three CTAs share an H100/H200 SM (and one fits the 99 KB of sm_89 and
-  // sm_120), with at least two stages per warp.
-  static constexpr int kWarps = 4 * 2 * kStageBytes <= 72 * 1024 ? 4 : 2;
-  static constexpr int kStages = std::min(4, 72 * 1024 / (kWarps * kStageBytes));
+  // Four warps of at least two stages each in 72 KB, so that three CTAs share an H100/H200 SM. Where they
+  // need more but fit 110 KB (8-bit rows at head_dim 256), four warps and two CTAs per SM: on an H200 that
+  // took up to 17% less time than two warps in three CTAs (16/2 heads, batch 1-64, 1k-256k tokens; at most
+  // 1% more anywhere). Otherwise (bf16 at head_dim 256) two warps in 72 KB. Two CTAs of four warps with
+  // deeper rings everywhere were slower for head_dim 64 and 128 (up to 11%).
+  // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
+  static constexpr int kWarps = 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
+  static constexpr int kCtasPerSm = kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3;
+  static constexpr int kStages = std::min(4, (kCtasPerSm == 3 ? 72 : 110) * 1024 / (kWarps * kStageBytes));
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
   static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
   static_assert(kStages >= 2, "decode_tc: a tile does not fit twice");
+  static_assert(kSmem <= 99 * 1024, "decode_tc: a CTA must fit sm_89 and sm_120");
 };
 
 // Element j of two value rows' 8-byte words (tokens a and b), times each token's scale, as T pairs (a, b).
@@ -135,19 +141,21 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
   }
 }
 
-// Launch bounds of three CTAs per SM. An H100/H200 SM holds three by shared memory, and the bound caps the
-// registers so that its register file does too. An sm_89 or sm_120 SM holds one four-warp CTA, so there the
-// bound is dropped for those (it only forced spills). The two-warp CTAs (head_dim 256) keep it everywhere: it
-// caps nothing for them (3 x 64 threads x 255 registers fit), but ptxas (nvcc 13.0) spills less with it on sm_89.
+// Launch bounds of Cfg::kCtasPerSm CTAs per SM. An H100/H200 SM holds that many by shared memory, and the
+// bound caps the registers so that its register file does too. An sm_89 or sm_120 SM holds one four-warp CTA,
+// so there the bound is dropped for those (it only forced spills). The two-warp CTAs (bf16, head_dim 256)
+// keep three everywhere: it caps nothing for them (3 x 64 threads x 255 registers fit), but ptxas (nvcc 13.0)
+// spills less with it on sm_89.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define KVQ_DECODE_TC_MIN_BLOCKS(warps) 3
+#define KVQ_DECODE_TC_MIN_BLOCKS(warps, ctas) (ctas)
 #else
-#define KVQ_DECODE_TC_MIN_BLOCKS(warps) ((warps) == 2 ? 3 : 1)
+#define KVQ_DECODE_TC_MIN_BLOCKS(warps, ctas) ((warps) == 2 ? 3 : 1)
 #endif
 
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
 template <typename S, typename T, int HD, int GMAX>
-__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD>::kWarps)))
+__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
+                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD>::kWarps), (Cfg<S, HD>::kCtasPerSm)))
     split_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ FastDivmod pdm) {
   using C = Cfg<S, HD>;
   constexpr bool kQuant = C::kQuant;
@@ -172,21 +180,23 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
   // Unquantized caches read the query after the first tiles are in flight, so that at short contexts the
   // two global round trips overlap (on an H200, bf16, 1k-8k tokens: 1-5% less time at head_dim 128; at 256
   // the 16-row kernel was 4-9% slower than the 8-row one without it and 7-17% faster with it). 8-bit caches
-  // read it just before their first tiles: after them it cost 3-9% at 1k-8k tokens (measured with one load
-  // per element, before the 16-byte loads), and at the top of the kernel ptxas (sm_90) spilled a register
-  // inside the tile loop of the head_dim 128, 8-row instance (6-13% more time at batch 64).
+  // issue the query loads before their first tiles and scale the rows after them, so the load, the tiles'
+  // copies and the per-row maximum overlap (on an H200: 1-8% less time than loading and scaling before the
+  // tiles, most at short contexts; one shape, 9/3 heads, d64, batch 64, 32k, q8_0, 6-10% more). Doing all of it after the tiles cost 3-9% at 1k-8k tokens, and all of
+  // it at the top of the kernel made ptxas (sm_90) spill a register inside the tile loop of the head_dim
+  // 128, 8-row instance (6-13% more time at batch 64).
   using QT = std::conditional_t<kQuant, __half, T>;
   uint32_t qa[KS][kRows2 ? 4 : 2];
   float qs[kRows];  // per row: sm_scale (* log2 e) / the row's power of two
   const bool softcap = p.logit_softcap > 0.0f;
   const float qscale = softcap ? p.sm_scale : p.sm_scale * kLog2e;
-  auto load_query = [&]() {
-    // k-steps 2j and 2j + 1 of this thread take elements [8 c, 8 c + 8) of its rows, c = 4 j + tig (k = 2 tig,
-    // 2 tig + 1 from words 0 and 2, k = 2 tig + 8, 2 tig + 9 from words 1 and 3): one 16-byte load per row and
-    // pair of k-steps (the adapter passes a 16-byte aligned query).
-    constexpr int kQC = HD / 32;
+  // k-steps 2j and 2j + 1 of this thread take elements [8 c, 8 c + 8) of its rows, c = 4 j + tig (k = 2 tig,
+  // 2 tig + 1 from words 0 and 2, k = 2 tig + 8, 2 tig + 9 from words 1 and 3): one 16-byte load per row and
+  // pair of k-steps (the adapter passes a 16-byte aligned query).
+  constexpr int kQC = HD / 32;
+  uint4 raw[kRows][kQC];
+  auto fetch_query = [&]() {
     const T* q = static_cast<const T*>(p.query) + b * p.q_stride_batch + kvh * G * p.q_stride_head + 8 * tig;
-    uint4 raw[kRows][kQC];
 #pragma unroll
     for (int h = 0; h < kRows; ++h) {
       const int row = gid + 8 * h;
@@ -195,6 +205,8 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
         raw[h][j] = row < G ? __ldg(reinterpret_cast<const uint4*>(q + row * p.q_stride_head + 32 * j))
                             : make_uint4(0u, 0u, 0u, 0u);
     }
+  };
+  auto query_fragments = [&]() {  // raw -> qs, qa
 #pragma unroll
     for (int h = 0; h < kRows; ++h) {
       qs[h] = qscale;
@@ -335,13 +347,14 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32, KVQ_DECODE_TC_MIN_BLO
 #pragma unroll
     for (int e = 0; e < 2 * kRows; ++e) o[j][e] = 0.0f;
 
-  if constexpr (kQuant) load_query();
+  if constexpr (kQuant) fetch_query();
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
     if (s < num_tiles) issue(s);
     cp_async_commit();
   }
-  if constexpr (!kQuant) load_query();
+  if constexpr (!kQuant) fetch_query();
+  query_fragments();
   for (int c = 0; c < num_tiles; ++c) {
     if (c + C::kStages - 1 < num_tiles) issue(c + C::kStages - 1);
     cp_async_commit();
