@@ -15,7 +15,7 @@ import sys
 import torch
 
 import kvq
-from kvq import _C
+from kvq.backends import pinned_cuda_kernel
 
 full = "--full" in sys.argv
 kvq.set_index_checks(False)
@@ -41,14 +41,11 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         lens = torch.tensor([0, 12 * page_size, 3], dtype=torch.int32, device=dev)
         q = torch.randn(3, hq, d, dtype=torch.bfloat16, device=dev)
         out = torch.empty_like(q)
-        for kernel in ("tc", "fma") if hasattr(_C, "set_decode_kernel") else ("",):
-            if kernel:
-                _C.set_decode_kernel(kernel)
-            torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
-            lens[1] = 12 * page_size if full else 10 ** 6  # beyond the block table: clamped
-            torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, 20, 10.0, out)
-        if hasattr(_C, "set_decode_kernel"):
-            _C.set_decode_kernel("auto")
+        for kernel in ("tc", "fma"):
+            with pinned_cuda_kernel("set_decode_kernel", kernel):
+                torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
+                lens[1] = 12 * page_size if full else 10 ** 6  # beyond the block table: clamped
+                torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, 20, 10.0, out)
         # extend: sequences with 0, 5 and 70 new tokens over prefixes read from the same pages
         new = torch.tensor([0, 5, 70], device=dev)
         cu = torch.cat([new.new_zeros(1), new.cumsum(0)]).to(torch.int32)
@@ -57,13 +54,10 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         qx = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
         kx, vx = torch.randn(2, t, hkv, d, dtype=torch.bfloat16, device=dev).unbind(0)
         outx = torch.empty_like(qx)
-        for shape in ("wide", "deep") if hasattr(_C, "set_extend_shape") else ("",):
-            if shape:
-                _C.set_extend_shape(shape)
-            torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
-            torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
-        if hasattr(_C, "set_extend_shape"):
-            _C.set_extend_shape("auto")
+        for shape in ("wide", "deep"):
+            with pinned_cuda_kernel("set_extend_shape", shape):
+                torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
+                torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
 # More (sequence, kv head) pairs than the GPU holds at once: splits chosen to fill whole waves.
 for cache_dt in (torch.int8, torch.bfloat16):
     kc, ks = kvq.new_cache(40, 16, 8, 128, cache_dt, dev)
