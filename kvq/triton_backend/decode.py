@@ -297,8 +297,8 @@ def _config(query, k_cache, max_len, sad=None):
     count also makes the last wave short). The scale-after-dot kernel runs one warp per program up to head_dim
     128: a warp then owns its tiles' softmax, where four warps split each tile's columns and meet in shared
     memory for every row maximum and for P (on an H200, batch 1, 128k tokens: 22% less time at head_dim 128,
-    47% less at 64).
-    At head_dim 256 one warp's registers cannot hold the query and the accumulators.
+    47% less at 64). Programs of a single tile are the exception (below). At head_dim 256 one warp's
+    registers cannot hold the query and the accumulators.
     """
     batch, _, d = query.shape
     hkv = k_cache.shape[2]
@@ -324,7 +324,8 @@ def _config(query, k_cache, max_len, sad=None):
         return max(1, min(round(per_sm * sms / (batch * hkv)), triton.cdiv(max_len, block_n), 256))
 
     splits = split_count(block_n)
-    if sad and d > 128 and triton.cdiv(max_len, splits * block_n) <= 2:
+    tiles = triton.cdiv(max_len, splits * block_n)  # per program
+    if sad and d > 128 and tiles <= 2:
         # Two warps suit programs that walk several tiles; four split each tile's columns between them, which
         # shortens programs of one or two tiles (short sequences). Where those programs do not fill the SMs
         # once, 32-token tiles on twice the programs as well (on an H200, batch 1, 16/2 heads: 9.4 vs 10.4 us
@@ -332,6 +333,11 @@ def _config(query, k_cache, max_len, sad=None):
         warps = 4
         if splits * batch * hkv <= sms:
             block_n, splits = 32, split_count(32)
+    elif sad and tiles <= 1 and splits * batch * hkv <= 2 * sms:
+        # The same for one-tile programs at head_dim 64 and 128, where they fill the SMs at most twice (on an
+        # H200, batch 1 with 1k tokens: 4-8% less time at 32/8 heads d128, 3-4% at 9/3 d64; 9/3 d64 with 2k
+        # tokens within 3% either way; 32/8 d128 with 2k, 512 programs, 2% more).
+        warps, stages = 4, 2
     return block_n, splits, warps, stages
 
 
