@@ -182,9 +182,10 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
   // the 16-row kernel was 4-9% slower than the 8-row one without it and 7-17% faster with it). 8-bit caches
   // issue the query loads before their first tiles and scale the rows after them, so the load, the tiles'
   // copies and the per-row maximum overlap (on an H200: 1-8% less time than loading and scaling before the
-  // tiles, most at short contexts; one shape, 9/3 heads, d64, batch 64, 32k, q8_0, 6-10% more). Doing all of it after the tiles cost 3-9% at 1k-8k tokens, and all of
-  // it at the top of the kernel made ptxas (sm_90) spill a register inside the tile loop of the head_dim
-  // 128, 8-row instance (6-13% more time at batch 64).
+  // tiles, most at short contexts; one shape, 9/3 heads, d64, batch 64, 32k, q8_0, 6-10% more). Doing all
+  // of it after the tiles cost 3-9% at 1k-8k tokens, and all of it at the top of the kernel made ptxas
+  // (sm_90) spill a register inside the tile loop of the head_dim 128, 8-row instance (6-13% more time at
+  // batch 64).
   using QT = std::conditional_t<kQuant, __half, T>;
   uint32_t qa[KS][kRows2 ? 4 : 2];
   float qs[kRows];  // per row: sm_scale (* log2 e) / the row's power of two
