@@ -100,29 +100,20 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   const bool tc = choice == 2 || (choice == 0 && hq / c.num_kv_heads >= kTensorCoreGroup);
   // Partials per split: the tensor-core kernel combines its warps in the CTA, the FMA kernel in the merge.
   const int warps = tc ? 1 : kvq::decode_warps(p.format, p.dtype, p.head_dim);
-  const int64_t max_tokens = std::min<int64_t>(block_table.size(1) * c.page_size, INT32_MAX);
-  // The fewest tokens worth a split: two 16-token tiles for each warp of a tensor-core CTA (on an H200 this
-  // beat four by up to 25% at 1k-4k tokens and lost 10% only at 16/2 heads d256 with 32k), two chunks per
-  // warp (FMA).
-  const kvq::TcShape tc_shape = tc ? kvq::decode_tc_shape(p) : kvq::TcShape{};
-  const int min_span = tc ? 2 * kvq::decode_tc::kTile * tc_shape.warps : 2 * warps * kvq::detail::kChunkTokens;
+  const int max_tokens = static_cast<int>(std::min<int64_t>(block_table.size(1) * c.page_size, INT32_MAX));
   const int sms = sm_count(dev.index());
-  const int slots = sms * (tc ? tc_shape.ctas_per_sm : 2);
-  p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), min_span, slots);
-  // Short sequences: where one-tile-per-warp splits of every sequence fit one CTA per SM, take them (on an
-  // H200, batch 1 with 1k tokens: 5-9% faster). Not beyond: one-tile splits filling every slot were up to 20%
-  // slower at 4k-8k tokens, and uneven splits in between up to 12% slower.
-  const int one_tile = min_span / 2;
-  const int64_t one_tile_ctas = static_cast<int64_t>(p.batch) * p.num_kv_heads * ((max_tokens + one_tile - 1) / one_tile);
-  if (tc && one_tile_ctas <= sms)
-    p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, static_cast<int>(max_tokens), one_tile, sms);
+  const kvq::TcShape tc_shape = tc ? kvq::decode_tc_shape(p) : kvq::TcShape{};
+  // FMA: splits of at least two chunks per warp, over two CTAs per SM.
+  p.num_splits = tc ? kvq::decode_tc_num_splits(p.batch, p.num_kv_heads, max_tokens, tc_shape, sms)
+                    : kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
+                                             2 * warps * kvq::detail::kChunkTokens, 2 * sms);
   // head_dim 256: the 8-row kernel spills its accumulators (ptxas, sm_90) and the 16-row one does not, which
   // pays wherever a warp walks several tiles. Over one or two, its longer code costs more for 8-bit caches (on
   // an H200, 16/2 heads, batch 1: 1k-4k tokens 11-15% more time; 32k 4% less, 128k 17-20% less). bf16 caches,
   // which read the query after their first tiles, took up to 17% less time (1% more at batch 64, 1k tokens).
   // Both instances have the same warps, stages and occupancy, so the split count above holds for either.
   if (tc && p.head_dim == 256) {
-    const int64_t span = (max_tokens + p.num_splits - 1) / p.num_splits;
+    const int64_t span = (static_cast<int64_t>(max_tokens) + p.num_splits - 1) / p.num_splits;
     const int tiles_tokens = kvq::decode_tc::kTile * tc_shape.warps;  // one tile for each warp of the CTA
     p.tc_rows16 = !c.quantized || (span + tiles_tokens - 1) / tiles_tokens >= 3;  // tiles per warp
   }
