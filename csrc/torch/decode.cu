@@ -64,9 +64,7 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   const at::Tensor lens = seq_lens.contiguous();
   // The tensor-core kernel reads query rows in 16-byte pieces: a view whose rows are not 16-byte aligned
   // (rare: an odd offset into a larger tensor) is copied first.
-  const bool aligned = reinterpret_cast<uintptr_t>(query.data_ptr()) % 16 == 0 && query.stride(0) % 8 == 0 &&
-                       query.stride(1) % 8 == 0;
-  const at::Tensor q = aligned ? query : at::empty(query.sizes(), query.options()).copy_(query);
+  const at::Tensor q = aligned_rows(query);
   kvq::DecodeParams p;
   p.query = q.data_ptr();
   p.q_stride_batch = q.stride(0);
