@@ -468,7 +468,10 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
   __syncthreads();
   if (tid < kMergeCols) {
 #pragma unroll
-    for (int k = 1; k < kGroups; ++k) merge_into(m, l, o, mlo_s[0][k * kMergeCols + c], mlo_s[1][k * kMergeCols + c], mlo_s[2][k * kMergeCols + c]);
+    for (int k = 1; k < kGroups; ++k) {
+      const int j = k * kMergeCols + c;
+      merge_into(m, l, o, mlo_s[0][j], mlo_s[1][j], mlo_s[2][j]);
+    }
     const float r = l == 0.0f ? 0.0f : o / l;  // l == 0: no key was visible (seq_len 0)
     static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(r);
   }
