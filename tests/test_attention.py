@@ -199,6 +199,15 @@ def test_decode_short_gpu(backend, fmt, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+def test_decode_many_parts_gpu(backend, fmt):
+    """One kv head over two long sequences: about 200 splits per sequence, so the merge combines more parts
+    per head than it loads ahead of its reductions."""
+    check_decode(backend, fmt, torch.bfloat16, 8, 1, 128, 16, [32768, 30001], device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", DECODE_BACKENDS)
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
 @pytest.mark.parametrize("batch", [48, 100])
 def test_decode_large_batch_gpu(backend, fmt, batch):
     """Many (sequence, kv head) pairs: one split each, or, past the GPU's slots, a few splits that fill whole
