@@ -200,8 +200,8 @@ def test_decode_short_gpu(backend, fmt, d):
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
 def test_decode_many_parts_gpu(backend, fmt):
-    """One kv head over two long sequences: about 200 splits per sequence, so the merge combines more parts
-    per head than it loads ahead of its reductions."""
+    """One kv head over two long sequences: about 200 splits per sequence, so the merge combines hundreds of
+    parts per head, dozens per thread group."""
     check_decode(backend, fmt, torch.bfloat16, 8, 1, 128, 16, [32768, 30001], device="cuda")
 
 
