@@ -378,6 +378,10 @@ __device__ __forceinline__ float block_reduce(float x, float identity, Op op, fl
 
 constexpr int kMergeCols = 64;  // output columns per merge CTA; head_dim is a multiple
 
+// An output element from its combined accumulator o and sum l: 0 where l is 0 (no key was visible: seq_len 0).
+// The merge kernels and a single-split tensor-core CTA all end here, so that they agree to the bit.
+__device__ __forceinline__ float normalized(float o, float l) { return l == 0.0f ? 0.0f : o / l; }
+
 // The partials of query head h of sequence b: its (m, l) pairs and its accumulator rows.
 struct HeadPartials {
   const float* ml;
@@ -426,8 +430,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) sum += o_s[k * kMergeCols + tid];
-    const float r = L == 0.0f ? 0.0f : sum / L;
-    static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(r);
+    static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(normalized(sum, L));
   }
 }
 
@@ -472,8 +475,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
       const int j = k * kMergeCols + c;
       merge_into(m, l, o, mlo_s[0][j], mlo_s[1][j], mlo_s[2][j]);
     }
-    const float r = l == 0.0f ? 0.0f : o / l;  // l == 0: no key was visible (seq_len 0)
-    static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(r);
+    static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(normalized(o, l));
   }
 }
 

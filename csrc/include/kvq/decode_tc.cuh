@@ -569,7 +569,7 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
       T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (kvh * G + g) * p.o_stride_head + d;
       const float v[4] = {acc.x, acc.y, acc.z, acc.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) out[j] = from_float<T>(lsum == 0.0f ? 0.0f : v[j] / lsum);  // 0: no key visible
+      for (int j = 0; j < 4; ++j) out[j] = from_float<T>(detail::normalized(v[j], lsum));
       continue;
     }
     const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * p.num_splits + split;
