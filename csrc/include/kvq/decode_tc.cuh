@@ -1,18 +1,22 @@
-// decode_attention on tensor cores: the query heads of one kv head are the M rows of mma.sync.m16n8k16.
+// decode_attention on tensor cores (mma.sync.m16n8k16), the query heads of one kv head sharing every K/V load.
 //
 // Same flash-decoding plan as decode.cuh (a CTA owns (sequence, kv head, split); each warp walks its own
 // 16-token tiles with its own softmax state; the warps are combined in shared memory and a merge kernel
-// combines the splits), but the dot products run on tensor cores. Per tile and warp:
-//   S[16 x 16] = Q[16 x HD] K^T   (16 rows = the GQA group, zero-padded; 2 n-tiles of 8 tokens)
-//   O[16 x HD] += P[16 x 16] V    (16 tokens = the k of one mma)
+// combines the splits), but the dot products run on tensor cores. Per tile and warp, with the operands placed
+// so that no half of an mma is spent on padding rows:
+//   scores: S^T[16 tokens x 8] = K Q^T, the tokens as the m rows and up to 8 heads as the n columns, then
+//           transposed in registers (movmatrix) into rows of heads for the softmax; groups of 9 to 16 heads
+//           take S[16 x 16 tokens] = Q K^T, the heads as the m rows (2 n-tiles of 8 tokens).
+//   output: O^T[HD x 8] += V^T P^T, head_dim as the m rows (HD / 16 m-tiles), the 16 tokens as the k of one mma,
+//           each 8 heads one n-tile: P's rows of heads are already the B fragment.
 // 8-bit keys enter fp16 mmas raw (int8 and e4m3 values are exact in fp16), one 32-element block per two
 // k-steps, and the key's block scale multiplies that block's dot product in fp32; query rows are multiplied
 // by a power of two first, so bf16 queries are exact in fp16. Values are dequantized in registers to what
 // the same-precision reference uses, T(q * scale) rounded once to the query dtype T. Neither needs a
 // transposing copy: the order of head_dim in Q K^T is free, so Q's fragments are laid out to match how each
-// thread reads its key row; for P V each thread reads one 8-byte word of four token rows and interleaves
-// their bytes with PRMT (the output columns it holds are permuted the same way, and written back to their
-// true positions).
+// thread reads its key rows; for V^T P^T each thread reads one 8-byte word of four token rows and interleaves
+// their bytes with PRMT (the output rows it holds are permuted the same way, and written back to their true
+// positions).
 //
 // Raw rows and scales travel by cp.async into a warp-private ring of kStages tiles (no block barrier in the
 // loop). 8-bit key rows are padded by 32 bytes, unquantized ones XOR-swizzled, value rows padded by 16 bytes,
@@ -162,7 +166,6 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
   constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
   constexpr int kRows = kRows2 ? 2 : 1;
   constexpr int KS = HD / 16;        // k-steps of Q K^T
-  constexpr int NT = HD / 8;         // n-tiles of P V
 
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -343,13 +346,17 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
     }
   };
 
-  float m[kRows], l[kRows], o[NT][2 * kRows];
+  // o[mt][h]: the m-tile mt of O^T (rows: 16 value columns, see the P V step) for query heads 8 h + 2 tig and
+  // 8 h + 2 tig + 1 (columns), as the mma's C fragment.
+  float m[kRows], l[kRows], o[HD / 16][kRows][4];
 #pragma unroll
   for (int h = 0; h < kRows; ++h) m[h] = -INFINITY, l[h] = 0.0f;
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int mt = 0; mt < HD / 16; ++mt)
 #pragma unroll
-    for (int e = 0; e < 2 * kRows; ++e) o[j][e] = 0.0f;
+    for (int h = 0; h < kRows; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][h][e] = 0.0f;
 
   if constexpr (kQuant) fetch_query();
 #pragma unroll
@@ -369,55 +376,97 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
     const uint16_t* kss = reinterpret_cast<const uint16_t*>(st + C::kKSOff);
     const uint16_t* vss = reinterpret_cast<const uint16_t*>(st + C::kVSOff);
 
-    // ---- S = Q K^T. Unquantized: thread (gid, tig) reads 16-byte chunks 4 ic + tig of key row nt*8 + gid.
-    // 8-bit: it reads bytes [32 blk + 8 tig, +8) of the row for every block; the block's two k-steps give
-    // q . raw_block, which is scaled by the key's block scale in fp32 (thread's tokens: nt*8 + 2 tig + {0,1}).
+    // ---- Scores s[nt][e] = S[head gid + 8 h][token nt*8 + 2 tig + e % 2] (h = e / 2), in fp32.
+    // Unquantized keys: thread (gid, tig) reads 16-byte chunks 4 ic + tig of its key rows. 8-bit: bytes
+    // [32 blk + 8 tig, +8) of the rows for every block; the block's two k-steps give q . raw_block, which is
+    // scaled by the key's block scale in fp32.
     float s[2][4];
+    if constexpr (kRows2) {
+      // 16 query rows: S = Q K^T with the keys as the n-tiles (tokens nt*8 + gid read, nt*8 + 2 tig + {0,1} held).
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int row = nt * 8 + gid;
-      const unsigned char* krow = st + C::kKOff + row * C::kKStride;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      auto mma = [&](float (&c)[4], int ks, uint32_t b0, uint32_t b1) {
-        if constexpr (kRows2) {
-          mma16816<QT>(c, qa[ks], b0, b1);
+      for (int nt = 0; nt < 2; ++nt) {
+        const int row = nt * 8 + gid;
+        const unsigned char* krow = st + C::kKOff + row * C::kKStride;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if constexpr (kQuant) {
+          const int t0 = nt * 8 + 2 * tig;
+          uint16_t sc0[C::kNB], sc1[C::kNB];
+#pragma unroll
+          for (int blk = 0; blk < C::kNB; ++blk)
+            sc0[blk] = kss[t0 * C::kNB + blk], sc1[blk] = kss[(t0 + 1) * C::kNB + blk];
+#pragma unroll
+          for (int blk = 0; blk < C::kNB; ++blk) {
+            uint32_t h[4];
+            raw8_to_half<S>(*reinterpret_cast<const uint2*>(krow + 32 * blk + 8 * tig), h);
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma16816<QT>(part, qa[2 * blk], h[0], h[1]);
+            mma16816<QT>(part, qa[2 * blk + 1], h[2], h[3]);
+            const float k0 = scale_to_float(sc0[blk]), k1 = scale_to_float(sc1[blk]);
+            acc[0] = fmaf(part[0], k0, acc[0]);
+            acc[1] = fmaf(part[1], k1, acc[1]);
+            acc[2] = fmaf(part[2], k0, acc[2]);
+            acc[3] = fmaf(part[3], k1, acc[3]);
+          }
         } else {
-          float top[2] = {c[0], c[1]};
-          mma16816_top<QT>(top, qa[ks][0], qa[ks][1], b0, b1);
-          c[0] = top[0], c[1] = top[1];
-        }
-      };
-      if constexpr (kQuant) {
-        const int t0 = nt * 8 + 2 * tig;
-        uint16_t sc0[C::kNB], sc1[C::kNB];
 #pragma unroll
-        for (int blk = 0; blk < C::kNB; ++blk) sc0[blk] = kss[t0 * C::kNB + blk], sc1[blk] = kss[(t0 + 1) * C::kNB + blk];
+          for (int ic = 0; ic < C::kNC / 4; ++ic) {
+            const int chunk = 4 * ic + tig;
+            const int phys = C::kSwizzle ? chunk ^ ((row & 1) << 2) : chunk;
+            const uint4 raw = *reinterpret_cast<const uint4*>(krow + phys * 16);
+            const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int i = 0; i < C::kKPC; ++i) mma16816<QT>(acc, qa[ic * C::kKPC + i], w[2 * i], w[2 * i + 1]);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = acc[e];
+      }
+    } else {
+      // At most 8 query rows: S^T = K Q^T, the 16 tokens as the m rows (gid and gid + 8 read and held) and the
+      // heads as the n columns (2 tig, 2 tig + 1 held), so that no half of an mma is padding; an in-register
+      // transpose then gives the thread the layout above. The query fragments serve as B unchanged.
+      const unsigned char* k0 = st + C::kKOff + gid * C::kKStride;
+      const unsigned char* k8 = k0 + 8 * C::kKStride;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // tokens gid (0, 1) and gid + 8 (2, 3) x heads 2 tig + {0, 1}
+      if constexpr (kQuant) {
+        uint16_t sc0[C::kNB], sc8[C::kNB];
+#pragma unroll
+        for (int blk = 0; blk < C::kNB; ++blk)
+          sc0[blk] = kss[gid * C::kNB + blk], sc8[blk] = kss[(gid + 8) * C::kNB + blk];
 #pragma unroll
         for (int blk = 0; blk < C::kNB; ++blk) {
-          uint32_t h[4];
-          raw8_to_half<S>(*reinterpret_cast<const uint2*>(krow + 32 * blk + 8 * tig), h);
+          uint32_t h0[4], h8[4];
+          raw8_to_half<S>(*reinterpret_cast<const uint2*>(k0 + 32 * blk + 8 * tig), h0);
+          raw8_to_half<S>(*reinterpret_cast<const uint2*>(k8 + 32 * blk + 8 * tig), h8);
           float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma(part, 2 * blk, h[0], h[1]);
-          mma(part, 2 * blk + 1, h[2], h[3]);
-          const float k0 = scale_to_float(sc0[blk]), k1 = scale_to_float(sc1[blk]);
-          acc[0] = fmaf(part[0], k0, acc[0]);
-          acc[1] = fmaf(part[1], k1, acc[1]);
-          acc[2] = fmaf(part[2], k0, acc[2]);
-          acc[3] = fmaf(part[3], k1, acc[3]);
+          const uint32_t a0[4] = {h0[0], h8[0], h0[1], h8[1]}, a1[4] = {h0[2], h8[2], h0[3], h8[3]};
+          mma16816<QT>(part, a0, qa[2 * blk][0], qa[2 * blk][1]);
+          mma16816<QT>(part, a1, qa[2 * blk + 1][0], qa[2 * blk + 1][1]);
+          const float g0 = scale_to_float(sc0[blk]), g8 = scale_to_float(sc8[blk]);
+          acc[0] = fmaf(part[0], g0, acc[0]);
+          acc[1] = fmaf(part[1], g0, acc[1]);
+          acc[2] = fmaf(part[2], g8, acc[2]);
+          acc[3] = fmaf(part[3], g8, acc[3]);
         }
       } else {
 #pragma unroll
         for (int ic = 0; ic < C::kNC / 4; ++ic) {
           const int chunk = 4 * ic + tig;
-          const int phys = C::kSwizzle ? chunk ^ ((row & 1) << 2) : chunk;
-          const uint4 raw = *reinterpret_cast<const uint4*>(krow + phys * 16);
-          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+          const int phys = C::kSwizzle ? chunk ^ ((gid & 1) << 2) : chunk;  // rows gid and gid + 8 alike
+          const uint4 r0 = *reinterpret_cast<const uint4*>(k0 + phys * 16);
+          const uint4 r8 = *reinterpret_cast<const uint4*>(k8 + phys * 16);
+          const uint32_t w0[4] = {r0.x, r0.y, r0.z, r0.w}, w8[4] = {r8.x, r8.y, r8.z, r8.w};
 #pragma unroll
-          for (int i = 0; i < C::kKPC; ++i) mma(acc, ic * C::kKPC + i, w[2 * i], w[2 * i + 1]);
+          for (int i = 0; i < C::kKPC; ++i) {
+            const uint32_t a[4] = {w0[2 * i], w8[2 * i], w0[2 * i + 1], w8[2 * i + 1]};
+            mma16816<QT>(acc, a, qa[ic * C::kKPC + i][0], qa[ic * C::kKPC + i][1]);
+          }
         }
       }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = acc[e];
+      transpose8x8(acc[0], acc[1]);  // tokens 0..7
+      transpose8x8(acc[2], acc[3]);  // tokens 8..15
+      s[0][0] = acc[0], s[0][1] = acc[1], s[1][0] = acc[2], s[1][1] = acc[3];
+      s[0][2] = s[0][3] = s[1][2] = s[1][3] = 0.0f;  // no rows 8..15
     }
 
     // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2.
@@ -460,9 +509,16 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
     // move it (skipping a multiply by exactly 1 changes nothing).
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-      for (int h = 0; h < kRows; ++h)
+      for (int h = 0; h < kRows; ++h) {
+        // corr[h] belongs to head gid + 8 h; this thread's accumulators hold heads 8 h + 2 tig + {0, 1}.
+        const float c0 = __shfl_sync(0xffffffffu, corr[h], 8 * tig);
+        const float c1 = __shfl_sync(0xffffffffu, corr[h], 8 * tig + 4);
 #pragma unroll
-        for (int j = 0; j < NT; ++j) o[j][2 * h] *= corr[h], o[j][2 * h + 1] *= corr[h];
+        for (int mt = 0; mt < HD / 16; ++mt) {
+          o[mt][h][0] *= c0, o[mt][h][1] *= c1;
+          o[mt][h][2] *= c0, o[mt][h][3] *= c1;
+        }
+      }
     }
     uint32_t pa[4];
 #pragma unroll
@@ -477,11 +533,13 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
         }
       m[h] = mn[h];
       l[h] = l[h] * corr[h] + sum;
-      pa[h] = pack2<T>(pr[0][0], pr[0][1]);       // a0 (row gid) / a1 (row gid + 8)
-      pa[2 + h] = pack2<T>(pr[1][0], pr[1][1]);   // a2 / a3
+      pa[h] = pack2<T>(pr[0][0], pr[0][1]);      // P^T as B: tokens 2 tig, 2 tig + 1 of head gid + 8 h
+      pa[2 + h] = pack2<T>(pr[1][0], pr[1][1]);  // and tokens 2 tig + 8, 2 tig + 9
     }
 
-    // ---- O += P V: thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9.
+    // ---- O^T += V^T P^T, the value columns as the m rows and the heads as the n columns (so that no half of an
+    // mma is padding): thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9;
+    // elements 2 jj and 2 jj + 1 of the word are rows gid and gid + 8 of m-tile r * EPW / 2 + jj.
     const unsigned char* vrow = st + C::kVOff + 2 * tig * C::kVStride;
 #pragma unroll
     for (int r = 0; r < C::kRW; ++r) {
@@ -501,13 +559,10 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
       value_pairs<T, S>(wa, wb, sa, sb, b0);
       value_pairs<T, S>(wc, wd, sc, sd, b1);
 #pragma unroll
-      for (int j = 0; j < C::kEPW; ++j) {
-        const int nt = r * C::kEPW + j;
-        if constexpr (kRows2) {
-          mma16816<T>(o[nt], pa, b0[j], b1[j]);
-        } else {
-          mma16816_top<T>(o[nt], pa[0], pa[2], b0[j], b1[j]);
-        }
+      for (int jj = 0; jj < C::kEPW / 2; ++jj) {
+        const uint32_t a[4] = {b0[2 * jj], b0[2 * jj + 1], b1[2 * jj], b1[2 * jj + 1]};
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) mma16816<T>(o[r * C::kEPW / 2 + jj][h], a, pa[h], pa[2 + h]);
       }
     }
     __syncwarp();  // the stage is refilled by the next iteration
@@ -517,7 +572,7 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
   // ---- combine the warps in shared memory (the ring is free now), then write one partial per split
   // (layout of decode.cuh, parts = num_splits), or with a single split the output itself, normalized as the
   // merge would (no merge kernel then: on an H200 it took 10.8 of 89 us at batch 64, 32/8 heads, 1k tokens).
-  // n-tile r * EPW + j, column n <-> d = r*8*EPW + n*EPW + j.
+  // Row gid (gid + 8) of m-tile r * EPW / 2 + jj is value column (gid + 8 r) * EPW + 2 jj (+ 1).
   __syncthreads();
   float* red_o = reinterpret_cast<float*>(smem);                // [kWarps][GMAX][HD]
   float* red_ml = red_o + C::kWarps * GMAX * HD;                 // [kWarps][GMAX][2]
@@ -531,18 +586,22 @@ __global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
       red_ml[(warp * GMAX + g) * 2] = m[h];
       red_ml[(warp * GMAX + g) * 2 + 1] = lsum;
     }
-    float* dst = red_o + (warp * GMAX + g) * HD;
 #pragma unroll
-    for (int r = 0; r < C::kRW; ++r) {
-      float v[2 * C::kEPW];
+    for (int e = 0; e < 2; ++e) {
+      float* dst = red_o + (warp * GMAX + 8 * h + 2 * tig + e) * HD;
 #pragma unroll
-      for (int j = 0; j < C::kEPW; ++j) {
-        v[j] = o[r * C::kEPW + j][2 * h];
-        v[C::kEPW + j] = o[r * C::kEPW + j][2 * h + 1];
+      for (int r = 0; r < C::kRW; ++r) {
+        float v[C::kEPW];
+#pragma unroll
+        for (int jj = 0; jj < C::kEPW / 2; ++jj) {
+          v[2 * jj] = o[r * C::kEPW / 2 + jj][h][e];
+          v[2 * jj + 1] = o[r * C::kEPW / 2 + jj][h][2 + e];
+        }
+        float* d0 = dst + (gid + 8 * r) * C::kEPW;
+#pragma unroll
+        for (int j = 0; j < C::kEPW; j += 4)
+          *reinterpret_cast<float4*>(d0 + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
       }
-      float* d0 = dst + r * 8 * C::kEPW + 2 * tig * C::kEPW;
-#pragma unroll
-      for (int j = 0; j < 2 * C::kEPW; j += 4) *reinterpret_cast<float4*>(d0 + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
     }
   }
   __syncthreads();

@@ -71,24 +71,16 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The same product when rows 8..15 of A are zero (a GQA group of at most 8 query heads): only the
-// accumulators of rows 0..7 are kept; the other half of the result is discarded.
-template <typename T>
-__device__ __forceinline__ void mma16816_top(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  float d2, d3;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %10, %10};\n"
-        : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %10, %10};\n"
-        : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
-  }
+// Transposes an 8 x 8 matrix of fp32 held as mma fragments (thread lane holds row lane / 4, columns
+// 2 (lane % 4) + {0, 1} in x0, x1) in registers: afterwards x0, x1 hold those elements of the transpose. Exact:
+// the two 16-bit halves of every value travel through movmatrix separately.
+__device__ __forceinline__ void transpose8x8(float& x0, float& x1) {
+  const uint32_t u0 = __float_as_uint(x0), u1 = __float_as_uint(x1);
+  uint32_t lo = __byte_perm(u0, u1, 0x5410), hi = __byte_perm(u0, u1, 0x7632);
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;\n" : "+r"(lo));
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %0;\n" : "+r"(hi));
+  x0 = __uint_as_float(__byte_perm(lo, hi, 0x5410));
+  x1 = __uint_as_float(__byte_perm(lo, hi, 0x7632));
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2(-inf) = 0
