@@ -34,7 +34,7 @@ using namespace ::kvq::tc;
 constexpr int kTile = 16;  // tokens per warp iteration
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename S, int HD>
+template <typename S, int HD, int GMAX>
 struct Cfg {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
   static constexpr int kRowBytes = HD * static_cast<int>(sizeof(S));
@@ -59,10 +59,15 @@ struct Cfg {
   // took up to 17% less time than two warps in three CTAs (16/2 heads, batch 1-64, 1k-256k tokens; at most
   // 1% more anywhere). Otherwise (bf16 at head_dim 256) two warps in 72 KB. Two CTAs of four warps with
   // deeper rings everywhere were slower for head_dim 64 and 128 (up to 11%).
+  // 8-bit rows up to head_dim 128 with at most 8 query rows fit 128 registers: four CTAs in 56 KB each (at
+  // d128 two stages instead of three). On an H200 that took 3-6% less time at batch 1 with 128k tokens, 14-23%
+  // at batch 64 with 1k-4k tokens (32/8 d128); it lost only on fp8 at batch 64 with 128k tokens (6-7% more).
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
+  static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8;
   static constexpr int kWarps = 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
-  static constexpr int kCtasPerSm = kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3;
-  static constexpr int kStages = std::min(4, (kCtasPerSm == 3 ? 72 : 110) * 1024 / (kWarps * kStageBytes));
+  static constexpr int kCtasPerSm = kFour ? 4 : (kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3);
+  static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? 72 : 110) * 1024;
+  static constexpr int kStages = std::min(4, kSmemPerCta / (kWarps * kStageBytes));
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
   static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
@@ -146,8 +151,8 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
 }
 
 // Launch bounds of Cfg::kCtasPerSm CTAs per SM. An H100/H200 SM holds that many by shared memory, and the
-// bound caps the registers so that its register file does too. An sm_89 or sm_120 SM holds one four-warp CTA,
-// so there the bound is dropped for those (it only forced spills). The two-warp CTAs (bf16, head_dim 256)
+// bound caps the registers so that its register file does too. An sm_89 or sm_120 SM holds one or two four-warp
+// CTAs, so there the bound is dropped for those (it only forced spills). The two-warp CTAs (bf16, head_dim 256)
 // keep three everywhere: it caps nothing for them (3 x 64 threads x 255 registers fit), but ptxas (nvcc 13.0)
 // spills less with it on sm_89.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
@@ -158,10 +163,10 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
 
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
 template <typename S, typename T, int HD, int GMAX>
-__global__ void __launch_bounds__(Cfg<S, HD>::kWarps * 32,
-                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD>::kWarps), (Cfg<S, HD>::kCtasPerSm)))
+__global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
+                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD, GMAX>::kWarps), (Cfg<S, HD, GMAX>::kCtasPerSm)))
     split_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ FastDivmod pdm) {
-  using C = Cfg<S, HD>;
+  using C = Cfg<S, HD, GMAX>;
   constexpr bool kQuant = C::kQuant;
   constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
   constexpr int kRows = kRows2 ? 2 : 1;
@@ -664,7 +669,7 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
       } else {
         return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
           return KVQ_DISPATCH_TC_GROUP(group, p.tc_rows16, GMAX, {
-            using C = decode_tc::Cfg<S, HD>;
+            using C = decode_tc::Cfg<S, HD, GMAX>;
             auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
             static bool opted_in[64] = {};
             int dev = 0;
