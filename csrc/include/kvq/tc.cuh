@@ -1,5 +1,5 @@
-// Tensor-core building blocks shared by the extend and decode kernels: cp.async, ldmatrix, mma.sync
-// m16n8k16 (bf16/fp16 in, fp32 accumulate) and the exact dequantization of 8-bit values into bf16/fp16.
+// Tensor-core building blocks shared by the extend and decode kernels: cp.async, ldmatrix, movmatrix,
+// mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate) and the exact dequantization of 8-bit values into bf16/fp16.
 // Only instructions that sm_89, sm_90 and sm_120 share.
 #pragma once
 
