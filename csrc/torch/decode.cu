@@ -105,16 +105,6 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   p.num_splits = tc ? kvq::decode_tc_num_splits(p.batch, p.num_kv_heads, max_tokens, tc_shape, sms)
                     : kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
                                              2 * warps * kvq::detail::kChunkTokens, 2 * sms);
-  // head_dim 256: the 8-row kernel spills its accumulators (ptxas, sm_90) and the 16-row one does not, which
-  // pays wherever a warp walks several tiles. Over one or two, its longer code costs more for 8-bit caches (on
-  // an H200, 16/2 heads, batch 1: 1k-4k tokens 11-15% more time; 32k 4% less, 128k 17-20% less). bf16 caches,
-  // which read the query after their first tiles, took up to 17% less time (1% more at batch 64, 1k tokens).
-  // Both instances have the same warps, stages and occupancy, so the split count above holds for either.
-  if (tc && p.head_dim == 256) {
-    const int64_t span = (static_cast<int64_t>(max_tokens) + p.num_splits - 1) / p.num_splits;
-    const int tiles_tokens = kvq::decode_tc::kTile * tc_shape.warps;  // one tile for each warp of the CTA
-    p.tc_rows16 = !c.quantized || (span + tiles_tokens - 1) / tiles_tokens >= 3;  // tiles per warp
-  }
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));
   p.workspace = ws.data_ptr<float>();

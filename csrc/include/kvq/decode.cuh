@@ -41,7 +41,6 @@ struct DecodeParams {
   Format format = Format::kSame;
   DType dtype = DType::kBF16;  // of query and out
   int num_splits = 1;          // from decode_plan
-  bool tc_rows16 = false;      // tensor-core kernel: the 16-row instance serves groups of 8 or fewer too
   float* workspace = nullptr;  // decode_workspace_floats() floats
 };
 

@@ -647,13 +647,12 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 
 }  // namespace decode_tc
 
-// GQA group bucket of the tensor-core kernel: 8 (rows 0..7 of the mma) or 16 (also for groups of 8 or
-// fewer when rows16 is set).
-#define KVQ_DISPATCH_TC_GROUP(group, rows16, GMAX, ...)                              \
-  [&]() -> cudaError_t {                                                           \
-    if (group >= 1 && group <= 8 && !(rows16)) { constexpr int GMAX = 8; __VA_ARGS__ } \
-    if (group >= 1 && group <= 16) { constexpr int GMAX = 16; __VA_ARGS__ }         \
-    return cudaErrorInvalidValue;                                                  \
+// GQA group bucket of the tensor-core kernel: up to 8 or up to 16 query heads per kv head.
+#define KVQ_DISPATCH_TC_GROUP(group, GMAX, ...)                              \
+  [&]() -> cudaError_t {                                                   \
+    if (group >= 1 && group <= 8) { constexpr int GMAX = 8; __VA_ARGS__ }   \
+    if (group >= 1 && group <= 16) { constexpr int GMAX = 16; __VA_ARGS__ } \
+    return cudaErrorInvalidValue;                                          \
   }()
 
 // Calls f(kernel, smem_bytes, warps) with the split kernel instantiated for p (shared memory
@@ -668,7 +667,7 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
         return cudaErrorInvalidValue;  // an unquantized cache holds the query dtype
       } else {
         return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
-          return KVQ_DISPATCH_TC_GROUP(group, p.tc_rows16, GMAX, {
+          return KVQ_DISPATCH_TC_GROUP(group, GMAX, {
             using C = decode_tc::Cfg<S, HD, GMAX>;
             auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
             static bool opted_in[64] = {};
@@ -699,7 +698,7 @@ inline TcShape decode_tc_shape(const DecodeParams& p) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return TcShape{};
   const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
-  const int g = p.tc_rows16 || (p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8) ? 1 : 0;
+  const int g = p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8 ? 1 : 0;
   const bool cacheable = dev >= 0 && dev < 64;
   const int f = int(p.format) % 3, t = int(p.dtype) % 2;
   if (cacheable && known[dev][f][t][hd][g]) return cached[dev][f][t][hd][g];
