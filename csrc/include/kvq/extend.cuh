@@ -83,17 +83,24 @@ template <typename S, int D>
 using WideCfg = Cfg<D, D == 64 ? 64 : (D == 256 && StorageTraits<S>::kQuantized ? 16 : 32), D <= 128 ? 2 : 1, 4>;
 
 // Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
-// words, each written and read back by the same thread; two tiles' worth of page numbers.
+// words, each written and read back by the same thread; two tiles' worth of page numbers. A CTA of one
+// m-tile per warp ("deep") keeps its Q fragments in registers, so Q passes through the K/V stage that the
+// first tile leaves free and has no space of its own: that keeps 64-key tiles of an 8-bit cache within the
+// 99 KB of sm_89 and sm_120 (with Q in shared memory they took 116 KB, so it had 32-key tiles). On an H200,
+// 512 new tokens over a 32k prefix (32/8 heads, d128): q8_0 1698 -> 1498 us, bf16 1264 -> 1192 us.
 template <typename S, typename C>
 struct Smem {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
+  static constexpr bool kQInRegs = C::kMTiles == 1 && C::kWarps == 8;
   static constexpr int kTile = C::kBlockN * C::kD * 2;        // a K or V tile in T
   static constexpr int kStage = 2 * kTile;
   static constexpr int kRaw = kQuant ? C::kBlockN * C::kD : 0;  // K or V raw rows
   static constexpr int kScales = kQuant ? C::kBlockN * C::kD / 16 * 4 : 0;  // one word per 16-byte chunk
-  static constexpr int kQOff = 0;
-  static constexpr int kKVOff = kQOff + C::kBlockM * C::kD * 2;  // stage s: K at kKVOff + s * kStage, then V
-  static constexpr int kRawOff = kKVOff + 2 * kStage;            // K raw, V raw, K scale words, V scale words
+  static constexpr int kQBytes = C::kBlockM * C::kD * 2;
+  static_assert(!kQInRegs || kQBytes <= kStage, "Q must fit one K/V stage");
+  static constexpr int kQOff = 0;  // unless kQInRegs
+  static constexpr int kKVOff = kQInRegs ? 0 : kQBytes;  // stage s: K at kKVOff + s * kStage, then V
+  static constexpr int kRawOff = kKVOff + 2 * kStage;     // K raw, V raw, K scale words, V scale words
   static constexpr int kPages = kRawOff + 2 * kRaw + 2 * kScales;
   static constexpr int kBytes = kPages + 2 * C::kBlockN * 4;
   static constexpr bool kFits = kBytes <= 99 * 1024;  // the shared memory of a CTA on sm_89 and sm_120
@@ -270,7 +277,6 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   constexpr int D = C::kD, BN = C::kBlockN, BM = C::kBlockM, MT = C::kMTiles, kThreads = C::kThreads;
   using L = Smem<S, C>;
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t sQ = smem_addr(smem) + L::kQOff;
   const uint32_t sK = smem_addr(smem) + L::kKVOff;  // stage st: K at sK + st * kStage, V kTile further
   const uint32_t sV = sK + L::kTile;
   int* pages = reinterpret_cast<int*>(smem + L::kPages);  // [2][BN]: page of each row of the next two tiles
@@ -304,8 +310,24 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const int wrow = warp * 16 * MT;  // the warp's first row in the tile
   const T* q_ptr = static_cast<const T*>(p.query);
 
+  // Positions of the rows this thread accumulates (g and g + 8 of each of its warp's m-tiles); rows
+  // past the sequence take the last token's position so that their (discarded) softmax stays finite.
+  const int last_tok = s.n_new - 1;
+  int qpos[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) qpos[mt][i] = s.prefix + min((row0 + wrow + mt * 16 + lane / 4 + i * 8) / G, last_tok);
+  const int qmin = s.prefix + row0 / G;
+  const int qmax = s.prefix + min((row0 + BM - 1) / G, last_tok);
+  // Key tiles that hold a visible key for some row; tiles entirely outside the window are skipped.
+  const int kv_end = p.causal ? min(s.kv_len, qmax + 1) : s.kv_len;
+  const int kv_begin = p.window_left >= 0 ? max(0, qmin - p.window_left) : 0;
+  const int j_begin = kv_begin / BN, j_end = (kv_end + BN - 1) / BN;
+
   // Q tile: packed row r -> token (row0 + r) / G, q head h_kv * G + (row0 + r) % G; rows past the
-  // sequence are zero-filled and never stored.
+  // sequence are zero-filled and never stored. With kQInRegs it goes to the stage of tile j_begin + 1.
+  const uint32_t sQ = L::kQInRegs ? sK + ((j_begin + 1) & 1) * L::kStage : smem_addr(smem) + L::kQOff;
   {
     constexpr int kCpr = D / 8, kRpp = kThreads / kCpr;
     const int c = tid % kCpr;
@@ -321,21 +343,6 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
       cp_async16(sQ + swz<D>(r, c), src, ok ? 16 : 0);
     }
   }
-
-  // Positions of the rows this thread accumulates (g and g + 8 of each of its warp's m-tiles); rows
-  // past the sequence take the last token's position so that their (discarded) softmax stays finite.
-  const int last_tok = s.n_new - 1;
-  int qpos[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) qpos[mt][i] = s.prefix + min((row0 + wrow + mt * 16 + lane / 4 + i * 8) / G, last_tok);
-  const int qmin = s.prefix + row0 / G;
-  const int qmax = s.prefix + min((row0 + BM - 1) / G, last_tok);
-  // Key tiles that hold a visible key for some row; tiles entirely outside the window are skipped.
-  const int kv_end = p.causal ? min(s.kv_len, qmax + 1) : s.kv_len;
-  const int kv_begin = p.window_left >= 0 ? max(0, qmin - p.window_left) : 0;
-  const int j_begin = kv_begin / BN, j_end = (kv_end + BN - 1) / BN;
 
   // ldmatrix sources, so that the four matrices land in fragment order: Q (A of Q K^T) and V (B of P V,
   // transposed) as (rows 0-7, chunk lo), (rows 8-15, lo), (rows 0-7, hi), (rows 8-15, hi); K (B of Q K^T)
@@ -374,6 +381,13 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
                         pages + (j_begin & 1) * BN);
   cp_async_commit();  // with the Q tile
   cp_async_wait_all();
+  uint32_t qa[L::kQInRegs ? D / 16 : 1][4];  // Q fragments (A of Q K^T) of this warp's one m-tile
+  if constexpr (L::kQInRegs) {
+    __syncthreads();  // Q complete; the loop's first barrier orders these reads before tile j_begin + 1's copies
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      ldmatrix_x4(qv_addr.at(kk, 0) + q_off, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
+  }
   if constexpr (L::kQuant) {
     if (j_begin < j_end) dequant_tile<T, S, C>(s, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw);
   }
@@ -398,8 +412,13 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        ldmatrix_x4(qv_addr.at(kk, mt * 16) + q_off, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (L::kQInRegs) {
+          a[mt][0] = qa[kk][0], a[mt][1] = qa[kk][1], a[mt][2] = qa[kk][2], a[mt][3] = qa[kk][3];
+        } else {
+          ldmatrix_x4(qv_addr.at(kk, mt * 16) + q_off, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+        }
+      }
 #pragma unroll
       for (int nb = 0; nb < BN / 16; ++nb) {
         uint32_t b0, b1, b2, b3;
@@ -504,7 +523,9 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   }
 
   // Epilogue: normalize, stage this warp's rows in its own rows of sQ (only this warp ever read them),
-  // then store whole 16-byte chunks.
+  // then store whole 16-byte chunks. With kQInRegs, in the stage of tile j_end: every warp finished with it
+  // (tile j_end - 2, or Q) before the last iteration's barrier, and no copy targets it since.
+  const uint32_t sO = L::kQInRegs ? sK + (j_end & 1) * L::kStage : sQ;
   __syncwarp();
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -518,7 +539,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 #pragma unroll
       for (int db = 0; db < D / 8; ++db) {
         const uint32_t v = pack2<T>(o[mt][db][2 * i] * inv, o[mt][db][2 * i + 1] * inv);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz<D>(r, db) + (lane & 3) * 4), "r"(v));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sO + swz<D>(r, db) + (lane & 3) * 4), "r"(v));
       }
     }
   }
@@ -535,7 +556,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     uint4 v;
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(sQ + swz<D>(r, c)));
+                 : "r"(sO + swz<D>(r, c)));
     *reinterpret_cast<uint4*>(out + int64_t(s.q_start + tok) * p.o_stride_tok +
                               int64_t(s.h_kv * G + g) * p.o_stride_head + c * 8) = v;
   }
@@ -564,14 +585,14 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
 }
 
 // Two shapes of CTA, both of 128 rows for head_dim <= 128: "wide" (4 warps of two m-tiles; fewer shared
-// memory reads per mma, two CTAs per SM) and "deep" (8 warps of one m-tile; twice the warps to hide
-// latency). With fewer CTAs than two per SM (short chunks, few heads) deep wins: on an H200, 512 new tokens
+// memory reads per mma, two CTAs per SM) and "deep" (8 warps of one m-tile, Q in registers, 64-key tiles;
+// twice the warps to hide latency). With fewer CTAs than two per SM (short chunks, few heads) deep wins: on an H200, 512 new tokens
 // over an 8k prefix (32/8 heads, d128) took 334 us deep and 594 us wide; with 4x the CTAs wide wins.
 template <typename T, typename S, int D>
 cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
   using Wide = WideCfg<S, D>;
   if constexpr (D <= 128) {
-    using Deep = Cfg<D, Smem<S, Cfg<D, 64, 1, 8>>::kFits ? 64 : 32, 1, 8>;
+    using Deep = Cfg<D, 64, 1, 8>;
     static_assert(Deep::kBlockM == Wide::kBlockM, "the same rows per CTA");
     const int64_t G = p.num_q_heads / p.num_kv_heads;
     const int64_t ctas = ((int64_t(p.total_q) * G + Wide::kBlockM - 1) / Wide::kBlockM + p.batch) * p.num_kv_heads;
