@@ -3,10 +3,11 @@
 Prints the median time (triton.testing.do_bench) of kvq's extend with a bf16, q8_0 and fp8_e4m3 prefix, the
 8-bit / bf16 ratio (target <= 1.1), and torch SDPA (flash) on bf16 with the same causal (bottom-right) mask
 over contiguous K/V for context.
-``python bench/extend_quick.py [--new N] [--prefix N] [--page-size N] [--dtype bf16|fp16]``
+``python bench/extend_quick.py [--new N] [--prefix N] [--page-size N] [--dtype bf16|fp16] [--shape wide|deep]``
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -29,12 +30,16 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="model (query and new K/V) dtype")
+    ap.add_argument("--shape", choices=["auto", "wide", "deep"], default="auto",
+                    help="CTA shape of the CUDA extend kernel (auto: the launcher's rule by CTA count)")
     a = ap.parse_args()
     print(f"backend: {backends.selection().active}; {torch.cuda.get_device_name()}; new {a.new}, prefix {a.prefix}, "
-          f"heads {a.hq}/{a.hkv}, d {a.d}, page {a.page_size}, {a.dtype}")
+          f"heads {a.hq}/{a.hkv}, d {a.d}, page {a.page_size}, {a.dtype}, CTA shape {a.shape}")
+    if a.shape != "auto" and backends.selection().active != "cuda":
+        sys.exit("--shape picks a CTA shape of the CUDA kernel, but the active backend is not cuda")
     dev, dt = "cuda", torch.bfloat16 if a.dtype == "bf16" else torch.float16
     torch.manual_seed(0)
-    n_pages = -(-a.prefix // a.page_size)
+    n_pages = max(1, -(-a.prefix // a.page_size))  # a prefill (--prefix 0) still takes a one-page pool
     block_table = torch.randperm(n_pages, device=dev, dtype=torch.int32)[None]  # scattered pages
     k_pre = torch.randn(a.prefix, a.hkv, a.d, device=dev, dtype=dt)
     v_pre = torch.randn(a.prefix, a.hkv, a.d, device=dev, dtype=dt)
@@ -50,16 +55,19 @@ def main():
     flops = 4 * a.hq * a.d * visible
 
     times = {}
-    for name, cdt in ((a.dtype, dt), ("q8_0", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
-        kc, ks = kvq.new_cache(n_pages, a.page_size, a.hkv, a.d, cdt, dev)
-        vc, vs = kvq.new_cache(n_pages, a.page_size, a.hkv, a.d, cdt, dev)
-        kvq.store_kv(k_pre, v_pre, kc, vc, ks, vs, slots)
-        args = (q, k, v, kc, vc, ks, vs, block_table, prefix_lens, cu, a.d ** -0.5, True, -1, 0.0, out)
-        fn = lambda: torch.ops.kvq.extend_attention(*args)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        times[name] = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        print(f"kvq extend, {name:8s} prefix: {times[name]:8.3f} ms  {flops / times[name] / 1e9:7.1f} TFLOP/s")
+    shape = backends.pinned_cuda_kernel("set_extend_shape", a.shape) if a.shape != "auto" else contextlib.nullcontext()
+    with shape:
+        for name, cdt in ((a.dtype, dt), ("q8_0", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+            kc, ks = kvq.new_cache(n_pages, a.page_size, a.hkv, a.d, cdt, dev)
+            vc, vs = kvq.new_cache(n_pages, a.page_size, a.hkv, a.d, cdt, dev)
+            if a.prefix:
+                kvq.store_kv(k_pre, v_pre, kc, vc, ks, vs, slots)
+            args = (q, k, v, kc, vc, ks, vs, block_table, prefix_lens, cu, a.d ** -0.5, True, -1, 0.0, out)
+            fn = lambda: torch.ops.kvq.extend_attention(*args)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            times[name] = do_bench(fn, warmup=25, rep=200, return_mode="median")
+            print(f"kvq extend, {name:8s} prefix: {times[name]:8.3f} ms  {flops / times[name] / 1e9:7.1f} TFLOP/s")
     for name in ("q8_0", "fp8_e4m3"):
         r = times[name] / times[a.dtype]
         print(f"{name} / {a.dtype} = {r:.3f}  ({'meets' if r <= 1.1 else 'MISSES'} the 1.1x target)")
