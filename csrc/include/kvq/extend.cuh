@@ -310,6 +310,26 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const int wrow = warp * 16 * MT;  // the warp's first row in the tile
   const T* q_ptr = static_cast<const T*>(p.query);
 
+  // Q tile: packed row r -> token (row0 + r) / G, q head h_kv * G + (row0 + r) % G; rows past the
+  // sequence are zero-filled and never stored. Issued here for the wide CTA; with kQInRegs it goes to the
+  // stage of tile j_begin + 1, so it is issued once j_begin is known.
+  auto load_q = [&](uint32_t dst) {
+    constexpr int kCpr = D / 8, kRpp = kThreads / kCpr;
+    const int c = tid % kCpr;
+#pragma unroll
+    for (int it = 0; it < BM / kRpp; ++it) {
+      const int r = tid / kCpr + it * kRpp;
+      const int pr = row0 + r;
+      const int tok = pr / G, g = pr - tok * G;
+      const bool ok = tok < s.n_new;
+      const T* src = ok ? q_ptr + int64_t(s.q_start + tok) * p.q_stride_tok +
+                              int64_t(s.h_kv * G + g) * p.q_stride_head + c * 8
+                        : q_ptr;
+      cp_async16(dst + swz<D>(r, c), src, ok ? 16 : 0);
+    }
+  };
+  if constexpr (!L::kQInRegs) load_q(smem_addr(smem) + L::kQOff);
+
   // Positions of the rows this thread accumulates (g and g + 8 of each of its warp's m-tiles); rows
   // past the sequence take the last token's position so that their (discarded) softmax stays finite.
   const int last_tok = s.n_new - 1;
@@ -325,24 +345,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const int kv_begin = p.window_left >= 0 ? max(0, qmin - p.window_left) : 0;
   const int j_begin = kv_begin / BN, j_end = (kv_end + BN - 1) / BN;
 
-  // Q tile: packed row r -> token (row0 + r) / G, q head h_kv * G + (row0 + r) % G; rows past the
-  // sequence are zero-filled and never stored. With kQInRegs it goes to the stage of tile j_begin + 1.
   const uint32_t sQ = L::kQInRegs ? sK + ((j_begin + 1) & 1) * L::kStage : smem_addr(smem) + L::kQOff;
-  {
-    constexpr int kCpr = D / 8, kRpp = kThreads / kCpr;
-    const int c = tid % kCpr;
-#pragma unroll
-    for (int it = 0; it < BM / kRpp; ++it) {
-      const int r = tid / kCpr + it * kRpp;
-      const int pr = row0 + r;
-      const int tok = pr / G, g = pr - tok * G;
-      const bool ok = tok < s.n_new;
-      const T* src = ok ? q_ptr + int64_t(s.q_start + tok) * p.q_stride_tok +
-                              int64_t(s.h_kv * G + g) * p.q_stride_head + c * 8
-                        : q_ptr;
-      cp_async16(sQ + swz<D>(r, c), src, ok ? 16 : 0);
-    }
-  }
+  if constexpr (L::kQInRegs) load_q(sQ);
 
   // ldmatrix sources, so that the four matrices land in fragment order: Q (A of Q K^T) and V (B of P V,
   // transposed) as (rows 0-7, chunk lo), (rows 8-15, lo), (rows 0-7, hi), (rows 8-15, hi); K (B of Q K^T)
