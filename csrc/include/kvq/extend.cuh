@@ -469,7 +469,16 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
       if (need_mask) scores(No{}, Yes{}); else scores(No{}, No{});
     }
 
-    // Online softmax; a row lives in the 4 threads of a quad.
+    // Online softmax; a row lives in the 4 threads of a quad. The wide CTA rescales O only when some row of
+    // the warp has a new maximum (alpha != 1; x * 1 == x, so skipping it changes no bit): on an H200, 2048
+    // new tokens over a 32k prefix took 1.5% (bf16) to 6% (fp8) less time. The deep CTA rescales always: with
+    // the vote and branch its bf16 instance ran 7% slower and its 8-bit ones gained nothing beyond noise.
+    constexpr bool kSkipRescale = !L::kQInRegs;
+    float alphas[MT][2];  // kSkipRescale: kept for after the vote
+    auto rescale = [&](int mt, int i, float alpha) {
+#pragma unroll
+      for (int db = 0; db < D / 8; ++db) o[mt][db][2 * i] *= alpha, o[mt][db][2 * i + 1] *= alpha;
+    };
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -482,6 +491,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
         const float m_new = fmaxf(m_run[mt][i], mx);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: keep exp2 finite
         const float alpha = fast_exp2(m_run[mt][i] - m_use);
+        alphas[mt][i] = alpha;
         m_run[mt][i] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -491,8 +501,16 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
           sum += sc[mt][nb][2 * i] + sc[mt][nb][2 * i + 1];
         }
         l_run[mt][i] = l_run[mt][i] * alpha + sum;
+        if constexpr (!kSkipRescale) rescale(mt, i, alpha);
+      }
+    }
+    if constexpr (kSkipRescale) {
+      bool grew = false;
 #pragma unroll
-        for (int db = 0; db < D / 8; ++db) o[mt][db][2 * i] *= alpha, o[mt][db][2 * i + 1] *= alpha;
+      for (int mt = 0; mt < MT; ++mt) grew |= alphas[mt][0] != 1.f || alphas[mt][1] != 1.f;
+      if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) rescale(mt, 0, alphas[mt][0]), rescale(mt, 1, alphas[mt][1]);
       }
     }
 
