@@ -272,12 +272,25 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   // less at batch 1, up to 8% more at batch 8-64 with 128k tokens), on all 8-bit copies up to 6% more at d64.
   // Lane copies 16-byte piece lane % kNC of rows i * kRPI + lane / kNC, and the scales of row lane % 16
   // (keys in lanes 0-15, values in 16-31). A tile inside one page (the common case: page sizes that are
-  // multiples of 16) reads one block-table entry and finds its rows by addition; a tile that straddles
-  // pages looks up each row's page.
+  // multiples of 16) reads one block-table entry and finds its rows by addition from pointers fixed before
+  // the loop, one 64-bit multiply per tensor; a tile that straddles pages looks up each row's page. (Per-tile
+  // 64-bit offsets from the page and row had been about 145 of the 462 instructions of a q8_0 tile at head_dim
+  // 64; with this, a partial-tile mask test and a one-instruction NaN-propagating max: 401. On an H200 that
+  // took a median of 1-3% off 8-bit decode, 1% off bf16; the d64 8-bit kernel is not issue-bound, see README.)
   constexpr int kRPI = 32 / C::kNC, kIters = kTile / kRPI;
   const int r_lane = lane / C::kNC, piece = lane % C::kNC;
   const int r0 = lane % kTile;
   const int row_bytes = p.num_kv_heads * HD * static_cast<int>(sizeof(S));  // one token of a page
+  const int lane_bytes = (kvh * HD) * static_cast<int>(sizeof(S)) + r_lane * row_bytes + piece * 16;
+  const unsigned char* k_lane = kbase + lane_bytes;  // row r_lane, offset 0 of page 0
+  const unsigned char* v_lane = vbase + lane_bytes;
+  const int64_t k_page_bytes = p.k_stride_page * static_cast<int64_t>(sizeof(S));
+  const int64_t v_page_bytes = p.v_stride_page * static_cast<int64_t>(sizeof(S));
+  const bool scale_of_k = lane < kTile;
+  // The scales of row r0 of page 0 (fp16 elements), and the elements one token and one page apart.
+  const uint16_t* s_lane = (scale_of_k ? p.k_scale : p.v_scale) + (r0 * p.num_kv_heads + kvh) * C::kNB;
+  const int s_token = p.num_kv_heads * C::kNB;
+  const int64_t s_page = static_cast<int64_t>(p.page_size) * s_token;
   // Block-table entries of the warp's tiles, 32 at a time (lane l holds tile 32 k + l's page, or -1), read
   // a block ahead: a lookup in the loop would put a global round trip before every tile's copies.
   auto table_block = [&](int k) -> int {
@@ -303,22 +316,21 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       cp_async16<!kQuant>(st_addr + C::kKOff + r * C::kKStride + kphys * 16, ksrc, ok ? 16 : 0);
       cp_async16<!kQuant>(st_addr + C::kVOff + r * C::kVStride + piece * 16, vsrc, ok ? 16 : 0);
     };
-    bool ok0;       // row r0 (this lane's scales) is valid
-    int64_t slot0;  // and its slot
+    uint32_t valid;  // bit r: row r of the tile is a visible token
     if (off0 + kTile <= p.page_size) {
-      const int64_t page = tile_page;
-      const int n = page >= 0 ? min(kTile, end - t0) : 0;  // rows [0, n) are valid
-      const int64_t pg = page >= 0 ? page : 0;
-      const unsigned char* kb = kbase + cache.k_offset(pg, off0, kvh) * static_cast<int64_t>(sizeof(S)) + piece * 16;
-      const unsigned char* vb = vbase + cache.v_offset(pg, off0, kvh) * static_cast<int64_t>(sizeof(S)) + piece * 16;
+      // All 16 rows of the tile are in page `pg` (rows past the sequence's end too: their copies read nothing,
+      // but their addresses stay inside the cache).
+      const int n = tile_page >= 0 ? min(kTile, end - t0) : 0;  // rows [0, n) are valid
+      const int64_t pg = tile_page >= 0 ? tile_page : 0;
+      const unsigned char* kb = k_lane + pg * k_page_bytes + off0 * row_bytes;
+      const unsigned char* vb = v_lane + pg * v_page_bytes + off0 * row_bytes;
 #pragma unroll
-      for (int i = 0; i < kIters; ++i) {
-        const int r = i * kRPI + r_lane;
-        const int ro = r < n ? r * row_bytes : 0;
-        copy(i, kb + ro, vb + ro, r < n);
+      for (int i = 0; i < kIters; ++i) copy(i, kb + i * kRPI * row_bytes, vb + i * kRPI * row_bytes, i * kRPI + r_lane < n);
+      valid = n >= kTile ? 0xFFFFu : (1u << n) - 1u;
+      if constexpr (kQuant) {
+        cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
+                                       s_lane + pg * s_page + off0 * s_token, r0 < n ? C::kScaleBytes : 0);
       }
-      ok0 = r0 < n;
-      slot0 = pg * p.page_size + off0 + r0;
     } else {
       auto locate = [&](int r, int64_t& page, int& off) {
         int idx;
@@ -338,17 +350,15 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       int64_t page;
       int off;
       locate(r0, page, off);
-      ok0 = page >= 0;
-      slot0 = ok0 ? page * p.page_size + off : 0;
+      const bool ok0 = page >= 0;
+      valid = __ballot_sync(0xffffffffu, ok0) & 0xFFFFu;
+      if constexpr (kQuant) {
+        const int64_t so = ok0 ? cache.scale_offset(page * p.page_size + off, kvh) : 0;
+        cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
+                                       (scale_of_k ? p.k_scale : p.v_scale) + so, ok0 ? C::kScaleBytes : 0);
+      }
     }
-    const uint32_t valid = __ballot_sync(0xffffffffu, ok0) & 0xFFFFu;
     if (lane == 0) *reinterpret_cast<uint32_t*>(st + C::kMaskOff) = valid;
-    if constexpr (kQuant) {
-      const int64_t so = ok0 ? cache.scale_offset(slot0, kvh) : 0;
-      const bool is_k = lane < kTile;
-      cp_async_small<C::kScaleBytes>(st_addr + (is_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
-                                     (is_k ? p.k_scale : p.v_scale) + so, ok0 ? C::kScaleBytes : 0);
-    }
   };
 
   // o[mt][h]: the m-tile mt of O^T (rows: 16 value columns, see the P V step) for query heads 8 h + 2 tig and
@@ -491,6 +501,14 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 #pragma unroll
           for (int e = 0; e < 2; ++e) x[h][nt][e] = p.logit_softcap * tanhf(x[h][nt][e] / p.logit_softcap) * kLog2e;
     }
+    if (valid != 0xFFFFu) {  // a tile with rows past the end or outside the cache (all but a few are full)
+#pragma unroll
+      for (int h = 0; h < kRows; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) x[h][nt][e] = (valid >> (nt * 8 + 2 * tig + e)) & 1 ? x[h][nt][e] : -INFINITY;
+    }
     float mn[kRows], corr[kRows];
     bool grew = false;
 #pragma unroll
@@ -499,11 +517,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = nt * 8 + 2 * tig + e;
-          x[h][nt][e] = (valid >> tok) & 1 ? x[h][nt][e] : -INFINITY;
-          mx = detail::nanmax(mx, x[h][nt][e]);
-        }
+        for (int e = 0; e < 2; ++e) mx = detail::nanmax(mx, x[h][nt][e]);
       mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       mn[h] = detail::nanmax(m[h], mx);
