@@ -62,7 +62,7 @@ def _assert_same_bytes(got, want):
 
 def _special_rows(t, hkv, d, dtype):
     """Rows whose scaled values land on rounding ties of q8_0 (x.5) and of e4m3 (midpoints), and blocks
-    holding zeros, inf, NaN and tiny values."""
+    holding zeros, inf, NaN, tiny values and values whose scale is near the smallest normal float."""
     x = torch.randn(t, hkv, d) * 3
     blocks = x.view(t, hkv, d // 32, 32)
     ties = torch.arange(-15, 16, dtype=torch.float32) + 0.5  # q8_0 ties when d == 1 (amax 127)
@@ -76,6 +76,9 @@ def _special_rows(t, hkv, d, dtype):
     blocks[3 % t, -1, 0, 5] = math.inf
     blocks[4 % t, -1, -1, 7] = math.nan
     blocks[5 % t, 0, 0] = torch.randn(32) * 1e-38
+    # Scales near the smallest normal float, where the kernel switches between its two quantizers.
+    blocks[6 % t, 1 % hkv, 0] = torch.randn(32) * 1e-35
+    blocks[7 % t, 1 % hkv, -1] = torch.randn(32) * 1e-36
     return x.to(dtype)
 
 

@@ -93,14 +93,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// max that propagates NaN: a NaN score must reach the output, never be dropped by fmaxf. One instruction
-// (max.NaN, sm_80 and later) where the test and a select took three.
-__device__ __forceinline__ float nanmax(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
 template <int NB>
 __device__ __forceinline__ void load_words(const unsigned char* p, uint32_t* w) {
   if constexpr (NB == 16) {

@@ -517,10 +517,10 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) mx = detail::nanmax(mx, x[h][nt][e]);
-      mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = detail::nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mn[h] = detail::nanmax(m[h], mx);
+        for (int e = 0; e < 2; ++e) mx = nanmax(mx, x[h][nt][e]);
+      mx = nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mn[h] = nanmax(m[h], mx);
       corr[h] = mn[h] == -INFINITY ? 1.0f : fast_exp2(m[h] - mn[h]);
       grew |= corr[h] != 1.0f;
     }
@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
     const int g = 4 * i / HD, d = 4 * i % HD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < C::kWarps; ++w) mx = detail::nanmax(mx, red_ml[(w * GMAX + g) * 2]);
+    for (int w = 0; w < C::kWarps; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
     float lsum = 0.0f;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (mx != -INFINITY) {
