@@ -65,10 +65,8 @@ def _(cache, scale, slot_mapping, dtype):
 
 # ------------------------------------------------------------------------------------ registrations
 def _checked(name: str, impl):
-    check = CHECKS[name]
-
     def run(*args):
-        check(*args)
+        CHECKS[name](*args)
         return impl(*args)
 
     run.__name__ = f"{name}_{getattr(impl, '__module__', 'impl')}"
@@ -103,6 +101,18 @@ else:
     _mod = _python_backend(_sel.active)
     for _name in SCHEMAS:
         _lib.impl(_name, _checked(_name, getattr(_mod, _name)), "CUDA")
+_CUDA_OP_CHECKS = _sel.active is not None and _sel.active != "cuda"
+
+
+def _check(name: str, *args) -> None:
+    """The Python checks of op ``name``, once per wrapper call. torch.ops.kvq.* runs them itself where the
+    implementation it dispatches to is Python: CPU tensors (the reference), or CUDA tensors under the Triton or
+    reference backend. The compiled kernels check shapes in C++, so in front of them (and of a missing
+    backend) the wrapper runs them first, index checks included."""
+    devices = {a.device.type for a in args if isinstance(a, Tensor)}
+    if devices <= {"cpu"} or (_CUDA_OP_CHECKS and devices <= {"cpu", "cuda"}):
+        return
+    CHECKS[name](*args)
 
 
 # ------------------------------------------------------------------------------------------ wrappers
@@ -116,7 +126,7 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, k_sca
     slot_mapping:    [num_tokens] int64, slot = page * page_size + offset, -1 skips the token
     Reference: :func:`kvq.reference.store_kv`.
     """
-    _checks.check_store(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    _check("store_kv", key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     torch.ops.kvq.store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
@@ -138,7 +148,7 @@ def decode_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: O
     out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
     args = (query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, int(window_left),
             float(logit_softcap), out)
-    _checks.check_decode(*args)
+    _check("decode_attention", *args)
     torch.ops.kvq.decode_attention(*args)
     return out
 
@@ -161,7 +171,7 @@ def extend_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor,
     out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
     args = (query, key, value, k_cache, v_cache, k_scale, v_scale, block_table, prefix_lens, cu_seqlens_q,
             sm_scale, bool(causal), int(window_left), float(logit_softcap), out)
-    _checks.check_extend(*args)
+    _check("extend_attention", *args)
     torch.ops.kvq.extend_attention(*args)
     return out
 
@@ -169,7 +179,7 @@ def extend_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor,
 def dequantize(cache: Tensor, scale: Optional[Tensor], slot_mapping: Tensor,
                dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Gather cached tokens back to ``dtype``: ``[num_tokens, num_kv_heads, head_dim]`` (slot -1 gives 0)."""
-    _checks.check_dequantize(cache, scale, slot_mapping, dtype)
+    _check("dequantize", cache, scale, slot_mapping, dtype)
     return torch.ops.kvq.dequantize(cache, scale, slot_mapping, dtype)
 
 

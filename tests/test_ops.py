@@ -226,3 +226,29 @@ def test_non_contiguous_query_view_is_accepted():
     reference.decode_attention(a[0].contiguous(), *a[1:10], want)
     assert torch.equal(a[10], want)
     assert not math.isnan(a[10].float().sum().item())
+
+
+def test_each_wrapper_checks_its_inputs_once(monkeypatch):
+    """On CPU, torch.ops.kvq.* checks inside the op; the wrapper must not check a second time (each pass of the
+    index checks reads the indices)."""
+    from kvq import ops
+
+    calls = {}
+    for name, check in list(ops.CHECKS.items()):
+        def counted(*args, _name=name, _check=check):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _check(*args)
+
+        monkeypatch.setitem(ops.CHECKS, name, counted)
+    kvq.store_kv(*store_args())
+    a = decode_args()
+    kvq.decode_attention(*a[:7], sm_scale=a[7], out=a[10])
+    e = extend_args()
+    kvq.extend_attention(*e[:10], sm_scale=e[10], out=e[14])
+    kc, ks = decode_args()[1], decode_args()[3]
+    kvq.dequantize(kc, ks, torch.tensor([0, 3, -1]), torch.bfloat16)
+    assert calls == {"store_kv": 1, "decode_attention": 1, "extend_attention": 1, "dequantize": 1}
+    bad = decode_args()
+    bad[6][0] = 10_000
+    with pytest.raises(ValueError, match="seq_lens"):
+        kvq.decode_attention(*bad[:7], sm_scale=bad[7], out=bad[10])
