@@ -36,31 +36,35 @@ __device__ __forceinline__ int64_t load_slot(const void* p, bool is_int32, int64
   return is_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(p)[i]) : static_cast<const int64_t*>(p)[i];
 }
 
+// The 16 elements a, b (two 16-byte words of T) quantized to dst, and the block's scale to scale_dst.
 template <typename T, typename S>
-__device__ __forceinline__ void store_chunk(const T* src, S* dst, uint16_t* scale_dst, bool write, bool writes_scale) {
+__device__ __forceinline__ void quantize_chunk(uint4 a, uint4 b, S* dst, uint16_t* scale_dst, bool write,
+                                               bool writes_scale) {
+  float x[kChunk];
+  unpack8<T>(a, x);
+  unpack8<T>(b, x + 8);
+  const BlockQuant q = block_quant_pair<kChunk>(x, StorageTraits<S>::kMax);  // every lane takes part
+  if (!write) return;
+  uint2 lo = make_uint2(0u, 0u), hi = make_uint2(0u, 0u);
+  if (q.normal) {
+    lo = quant8_plain<S>(x, q.inv);
+    hi = quant8_plain<S>(x + 8, q.inv);
+  } else if (q.finite) {
+    lo = quant8<S>(x, q.inv);
+    hi = quant8<S>(x + 8, q.inv);
+  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  if (writes_scale) *scale_dst = q.scale;
+}
+
+// 16 elements of an unquantized cache: a copy.
+template <typename T>
+__device__ __forceinline__ void copy_chunk(const T* src, T* dst, bool write) {
   const uint4 a = reinterpret_cast<const uint4*>(src)[0];
   const uint4 b = reinterpret_cast<const uint4*>(src)[1];
-  if constexpr (StorageTraits<S>::kQuantized) {
-    float x[kChunk];
-    unpack8<T>(a, x);
-    unpack8<T>(b, x + 8);
-    const BlockQuant q = block_quant_pair<kChunk>(x, StorageTraits<S>::kMax);  // every lane takes part
-    if (!write) return;
-    uint2 lo = make_uint2(0u, 0u), hi = make_uint2(0u, 0u);
-    if (q.normal) {
-      lo = quant8_plain<S>(x, q.inv);
-      hi = quant8_plain<S>(x + 8, q.inv);
-    } else if (q.finite) {
-      lo = quant8<S>(x, q.inv);
-      hi = quant8<S>(x + 8, q.inv);
-    }
-    *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-    if (writes_scale) *scale_dst = q.scale;
-  } else {
-    if (!write) return;
-    reinterpret_cast<uint4*>(dst)[0] = a;
-    reinterpret_cast<uint4*>(dst)[1] = b;
-  }
+  if (!write) return;
+  reinterpret_cast<uint4*>(dst)[0] = a;
+  reinterpret_cast<uint4*>(dst)[1] = b;
 }
 
 // Divisors of the thread index and the slot, built on the host. Where the thread count and the slot count
@@ -114,8 +118,19 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
   const T* value = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + c * kChunk;
   S* kdst = static_cast<S*>(p.k_cache) + cache.k_offset(page, off, h) + c * kChunk;
   S* vdst = static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h) + c * kChunk;
-  store_chunk<T, S>(key, kdst, p.k_scale + so, write, writes_scale);
-  store_chunk<T, S>(value, vdst, p.v_scale + so, write, writes_scale);
+  if constexpr (StorageTraits<S>::kQuantized) {
+    // Both tensors' loads before either store (a load may not be moved above a store that might alias it), so
+    // V's round trip overlaps K's quantizer: on an H200 the 8-bit stores took 14-18% less time than with V
+    // loaded after K's store.
+    const uint4 ka = reinterpret_cast<const uint4*>(key)[0], kb = reinterpret_cast<const uint4*>(key)[1];
+    const uint4 va = reinterpret_cast<const uint4*>(value)[0], vb = reinterpret_cast<const uint4*>(value)[1];
+    quantize_chunk<T, S>(ka, kb, kdst, p.k_scale + so, write, writes_scale);
+    quantize_chunk<T, S>(va, vb, vdst, p.v_scale + so, write, writes_scale);
+  } else {
+    // A plain copy keeps each tensor's loads next to its stores: loading both first took 13-17% more time.
+    copy_chunk<T>(key, kdst, write);
+    copy_chunk<T>(value, vdst, write);
+  }
 }
 
 inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
