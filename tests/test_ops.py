@@ -245,8 +245,8 @@ def test_each_wrapper_checks_its_inputs_once(monkeypatch):
     kvq.decode_attention(*a[:7], sm_scale=a[7], out=a[10])
     e = extend_args()
     kvq.extend_attention(*e[:10], sm_scale=e[10], out=e[14])
-    kc, ks = decode_args()[1], decode_args()[3]
-    kvq.dequantize(kc, ks, torch.tensor([0, 3, -1]), torch.bfloat16)
+    d = decode_args()
+    kvq.dequantize(d[1], d[3], torch.tensor([0, 3, -1]), torch.bfloat16)
     assert calls == {"store_kv": 1, "decode_attention": 1, "extend_attention": 1, "dequantize": 1}
     bad = decode_args()
     bad[6][0] = 10_000
