@@ -79,6 +79,8 @@ def backend_ops(name: str):
 
     ``reference`` and ``triton`` are Python modules; ``cuda`` is the compiled kernels behind ``torch.ops.kvq``
     (only when ``kvq._C`` is the active CUDA backend); ``cuda-fma`` the same with the FMA decode kernel;
+    ``cuda-warp`` with the tensor-core decode kernel mapping one kv head per warp (the rule does so only for long
+    splits of 8-bit caches; shapes whose kv heads do not divide into its warps keep one per CTA);
     ``cuda-wide`` / ``cuda-deep`` with the extend kernel held to one CTA shape (the rule picks by CTA count,
     so small test shapes would otherwise only reach one).
     """
@@ -92,13 +94,15 @@ def backend_ops(name: str):
         from kvq import triton_backend
 
         return triton_backend
-    if name in ("cuda", "cuda-fma", "cuda-wide", "cuda-deep"):
+    if name in ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep"):
         if backends.selection().active != "cuda":
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
         if name == "cuda":
             return torch.ops.kvq
         if name == "cuda-fma":
             return _Pinned("decode_attention", "set_decode_kernel", "fma")
+        if name == "cuda-warp":
+            return _Pinned("decode_attention", "set_decode_heads", "warp")
         return _Pinned("extend_attention", "set_extend_shape", name.split("-")[1])
     raise ValueError(name)
 

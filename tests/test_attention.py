@@ -19,7 +19,8 @@ from kvq import reference
 from common import FORMATS, backend_ops, cache_dtype, poison_, random_paged, rel_err
 
 BACKENDS = ["triton", "cuda"]
-DECODE_BACKENDS = BACKENDS + ["cuda-fma"]  # the CUDA decode has a tensor-core and an FMA kernel
+# The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps.
+DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp"]
 EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep"]  # and its extend two CTA shapes
 FLOOR = 1e-5
 

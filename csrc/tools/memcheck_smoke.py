@@ -48,8 +48,8 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         lens = torch.tensor([0, 12 * page_size, 3], dtype=torch.int32, device=dev)
         q = torch.randn(3, hq, d, dtype=torch.bfloat16, device=dev)
         out = torch.empty_like(q)
-        for kernel in ("tc", "fma"):
-            with pinned("set_decode_kernel", kernel):
+        for kernel, heads in (("tc", "cta"), ("tc", "warp"), ("fma", "auto")):
+            with pinned("set_decode_kernel", kernel), pinned("set_decode_heads", heads):
                 torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
                 lens[1] = 12 * page_size if full else 10 ** 6  # beyond the block table: clamped
                 torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, 20, 10.0, out)

@@ -12,6 +12,7 @@ using namespace kvq_torch;
 
 namespace {
 std::atomic<int> g_decode_kernel{0};
+std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per CTA, 2: one per warp where they divide
 // GQA groups from this size up use the tensor-core kernel. On an H200 it beat the FMA kernel at every
 // group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
 constexpr int kTensorCoreGroup = 1;
@@ -19,6 +20,7 @@ constexpr int kTensorCoreGroup = 1;
 }  // namespace
 
 int kvq_set_decode_kernel(int choice) { return g_decode_kernel.exchange(choice); }
+int kvq_set_decode_heads(int choice) { return g_decode_heads.exchange(choice); }
 
 void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, head_dim] bf16/fp16
                            const at::Tensor& k_cache, // [num_pages, page_size, num_kv_heads, head_dim]
@@ -105,6 +107,23 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   p.num_splits = tc ? kvq::decode_tc_num_splits(p.batch, p.num_kv_heads, max_tokens, tc_shape, sms)
                     : kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
                                              2 * warps * kvq::detail::kChunkTokens, 2 * sms);
+  // One kv head per warp instead of per CTA, where the kv heads divide into the warps. A token's scales of all kv
+  // heads are one short row, so warps that walk the same tokens for different heads read the same scale lines and
+  // L1 serves all but the first; a CTA per head pays an L2 request per two tokens' scales (32/8 heads, d128: 16
+  // per 32 requests of rows). On an H200 (8-bit caches, batch 8-64, 32k-128k tokens) that took 4-10% off 32/8
+  // heads d128 and 12-17% off 32/8 d64. It needs four times the splits for as many CTAs, though, and where that
+  // leaves a warp under 64 tiles the larger merge costs more than it saves (7% more at batch 1 with 128k tokens,
+  // 32/8 d128; up to 30% at 1k tokens): so only 8-bit caches whose splits are that long.
+  const int heads_choice = g_decode_heads.load();
+  if (tc && heads_choice != 1 && tc_shape.warps > 1 && c.num_kv_heads % tc_shape.warps == 0) {
+    kvq::TcShape per_warp = tc_shape;
+    per_warp.warps = 1;
+    const int splits = kvq::decode_tc_num_splits(p.batch, p.num_kv_heads / tc_shape.warps, max_tokens, per_warp, sms);
+    if (heads_choice == 2 || (c.quantized && max_tokens / splits >= 64 * kvq::decode_tc::kTile)) {
+      p.heads_per_cta = tc_shape.warps;
+      p.num_splits = splits;
+    }
+  }
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));
   p.workspace = ws.data_ptr<float>();

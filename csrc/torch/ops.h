@@ -36,6 +36,9 @@ at::Tensor dequantize_cuda(const at::Tensor& cache, const std::optional<at::Tens
 // Which decode kernel serves decode_attention: 0 = by rule (decode.cu's kTensorCoreGroup), 1 = the FMA
 // kernel, 2 = the tensor-core kernel. Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_kernel(int choice);
+// How the tensor-core decode kernel maps kv heads: 0 = by rule (decode.cu), 1 = one per CTA, 2 = one per warp
+// (where they divide into its warps). Returns the previous choice; for benchmarks and tests.
+int kvq_set_decode_heads(int choice);
 // Which CTA shape serves extend_attention: 0 = by CTA count (extend.cuh's launch_shape), 1 = wide, 2 = deep.
 // Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_shape(int choice);

@@ -33,6 +33,11 @@ static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
   return choose(arg, names, kvq_set_decode_kernel, "decode kernel");
 }
 
+static PyObject* set_decode_heads(PyObject*, PyObject* arg) {
+  static const char* const names[] = {"auto", "cta", "warp"};
+  return choose(arg, names, kvq_set_decode_heads, "decode kv-head mapping");
+}
+
 #ifdef KVQ_HAS_EXTEND
 static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
   static const char* const names[] = {"auto", "wide", "deep"};
@@ -43,6 +48,9 @@ static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
 static PyMethodDef kMethods[] = {
     {"set_decode_kernel", set_decode_kernel, METH_O,
      "Choose the CUDA decode kernel: 'auto' (by GQA group size), 'fma' or 'tc' (tensor cores); returns the previous."},
+    {"set_decode_heads", set_decode_heads, METH_O,
+     "Map kv heads of the tensor-core decode kernel: 'auto' (by format and split length), 'cta' (one per CTA) or "
+     "'warp' (one per warp, where they divide into the warps); returns the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by CTA count), 'wide' or 'deep'; returns the previous."},

@@ -41,6 +41,7 @@ struct DecodeParams {
   Format format = Format::kSame;
   DType dtype = DType::kBF16;  // of query and out
   int num_splits = 1;          // from decode_plan
+  int heads_per_cta = 1;       // tensor-core kernel: 1, or its warps per CTA (one kv head per warp)
   float* workspace = nullptr;  // decode_workspace_floats() floats
 };
 
@@ -120,8 +121,8 @@ __device__ __forceinline__ paged_kv_t<S> decode_cache(const DecodeParams& p) {
 struct WarpTokens {
   int first, end, step, count;
 };
-template <int kTileTokens, int kWarps>
-__device__ __forceinline__ WarpTokens warp_tokens(const DecodeParams& p, int L, int split, int warp) {
+template <int kTileTokens>
+__device__ __forceinline__ WarpTokens warp_tokens(const DecodeParams& p, int L, int split, int warp, int warps) {
   const int start = p.window_left >= 0 ? max(0, L - 1 - p.window_left) : 0;
   const int n = L - start;
   const int span = ((n + p.num_splits - 1) / p.num_splits + kTileTokens - 1) / kTileTokens * kTileTokens;
@@ -129,7 +130,7 @@ __device__ __forceinline__ WarpTokens warp_tokens(const DecodeParams& p, int L, 
   WarpTokens w;
   w.end = min(L, begin + span);
   w.first = begin + warp * kTileTokens;
-  w.step = kWarps * kTileTokens;
+  w.step = warps * kTileTokens;
   w.count = w.end > w.first ? (w.end - w.first + w.step - 1) / w.step : 0;
   return w;
 }
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
   }
   __syncthreads();
 
-  const WarpTokens wt = warp_tokens<kChunkTokens, C::kWarps>(p, cache.length(b), split, warp);
+  const WarpTokens wt = warp_tokens<kChunkTokens>(p, cache.length(b), split, warp, C::kWarps);
   const int end = wt.end, first = wt.first, step = wt.step, num_chunks = wt.count;
 
   const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);

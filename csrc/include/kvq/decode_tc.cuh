@@ -177,7 +177,10 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   const int gid = lane / 4, tig = lane % 4;
   unsigned char* ring = smem + warp * C::kStages * C::kStageBytes;
 
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  // One kv head per CTA, its warps taking the split's tiles round robin, or one per warp (heads_per_cta ==
+  // kWarps), each warp walking the whole split of its head.
+  const bool warp_heads = p.heads_per_cta > 1;
+  const int split = blockIdx.x, kvh = warp_heads ? blockIdx.y * C::kWarps + warp : blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads;
   const paged_kv_t<S> cache = detail::decode_cache<S, HD>(p);
 
@@ -260,7 +263,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
         }
       }
   };
-  const detail::WarpTokens wt = detail::warp_tokens<kTile, C::kWarps>(p, cache.length(b), split, warp);
+  const detail::WarpTokens wt = warp_heads ? detail::warp_tokens<kTile>(p, cache.length(b), split, 0, 1)
+                                           : detail::warp_tokens<kTile>(p, cache.length(b), split, warp, C::kWarps);
   const int end = wt.end, first = wt.first, step = wt.step, num_tiles = wt.count;
 
   const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
@@ -625,37 +629,50 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   }
   __syncthreads();
   const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
-  // Four columns per thread and step: 16-byte shared-memory reads and global stores.
-  for (int i = threadIdx.x; i < G * HD / 4; i += C::kWarps * 32) {
-    const int g = 4 * i / HD, d = 4 * i % HD;
-    float mx = -INFINITY;
+  // Each kv head of the CTA from the partials of its kW warps. Four columns per thread and step: 16-byte
+  // shared-memory reads and global stores.
+  auto combine = [&](auto warps_per_head) {
+    constexpr int kW = decltype(warps_per_head)::value, kHeads = C::kWarps / kW;
 #pragma unroll
-    for (int w = 0; w < C::kWarps; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
-    float lsum = 0.0f;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (mx != -INFINITY) {
+    for (int hh = 0; hh < kHeads; ++hh) {
+      const int head = blockIdx.y * kHeads + hh;
+      for (int i = threadIdx.x; i < G * HD / 4; i += C::kWarps * 32) {
+        const int g = 4 * i / HD, d = 4 * i % HD;
+        float mx = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < C::kWarps; ++w) {
-        const float mw = red_ml[(w * GMAX + g) * 2];
-        const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
-        lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
-        const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
-        acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
+        for (int w = hh * kW; w < (hh + 1) * kW; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
+        float lsum = 0.0f;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (mx != -INFINITY) {
+#pragma unroll
+          for (int w = hh * kW; w < (hh + 1) * kW; ++w) {
+            const float mw = red_ml[(w * GMAX + g) * 2];
+            const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
+            lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
+            const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
+            acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
+          }
+        }
+        if (p.num_splits == 1) {
+          T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (head * G + g) * p.o_stride_head + d;
+          const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) out[j] = from_float<T>(detail::normalized(v[j], lsum));
+          continue;
+        }
+        const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head * G + g) * p.num_splits + split;
+        *reinterpret_cast<float4*>(ws.acc + row * HD + d) = acc;
+        if (d == 0) {
+          ws.ml[row * 2] = mx;
+          ws.ml[row * 2 + 1] = lsum;
+        }
       }
     }
-    if (p.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (kvh * G + g) * p.o_stride_head + d;
-      const float v[4] = {acc.x, acc.y, acc.z, acc.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) out[j] = from_float<T>(detail::normalized(v[j], lsum));
-      continue;
-    }
-    const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * p.num_splits + split;
-    *reinterpret_cast<float4*>(ws.acc + row * HD + d) = acc;
-    if (d == 0) {
-      ws.ml[row * 2] = mx;
-      ws.ml[row * 2 + 1] = lsum;
-    }
+  };
+  if (warp_heads) {
+    combine(std::integral_constant<int, 1>{});
+  } else {
+    combine(std::integral_constant<int, C::kWarps>{});
   }
 }
 
@@ -743,7 +760,8 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
   if (p.batch == 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
   return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
-    kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), warps * 32, smem, stream>>>(p, FastDivmod(p.page_size));
+    if (p.heads_per_cta != 1 && (p.heads_per_cta != warps || p.num_kv_heads % warps != 0)) return cudaErrorInvalidValue;
+    kernel<<<dim3(p.num_splits, p.num_kv_heads / p.heads_per_cta, p.batch), warps * 32, smem, stream>>>(p, FastDivmod(p.page_size));
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || p.num_splits == 1) return e;  // one split wrote the output itself
     return launch_decode_merge(p, p.num_splits, stream);
