@@ -3,8 +3,8 @@
 // Same flash-decoding plan as decode.cuh (a CTA owns (sequence, kv head, split); each warp walks its own
 // 16-token tiles with its own softmax state; the warps are combined in shared memory and a merge kernel
 // combines the splits), but the dot products run on tensor cores. For long 8-bit splits a CTA may own one kv
-// head per warp instead, so that its warps read the same tokens' scale lines (heads_per_cta; decode.cu). Per tile and warp, with the operands placed
-// so that no half of an mma is spent on padding rows:
+// head per warp instead, so that its warps read the same tokens' scale lines (heads_per_cta; decode.cu).
+// Per tile and warp, with the operands placed so that no half of an mma is spent on padding rows:
 //   scores: S^T[16 tokens x 8] = K Q^T, the tokens as the m rows and up to 8 heads as the n columns, then
 //           transposed in registers (movmatrix) into rows of heads for the softmax; groups of 9 to 16 heads
 //           take S[16 x 16 tokens] = Q K^T, the heads as the m rows (2 n-tiles of 8 tokens).

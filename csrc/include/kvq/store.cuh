@@ -120,14 +120,14 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
   S* vdst = static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h) + c * kChunk;
   if constexpr (StorageTraits<S>::kQuantized) {
     // Both tensors' loads before either store (a load may not be moved above a store that might alias it), so
-    // V's round trip overlaps K's quantizer: on an H200 the 8-bit stores took 14-18% less time than with V
+    // V's round trip overlaps K's quantizer: on an H200 the 8-bit stores took 5.5-8% less time than with V
     // loaded after K's store.
     const uint4 ka = reinterpret_cast<const uint4*>(key)[0], kb = reinterpret_cast<const uint4*>(key)[1];
     const uint4 va = reinterpret_cast<const uint4*>(value)[0], vb = reinterpret_cast<const uint4*>(value)[1];
     quantize_chunk<T, S>(ka, kb, kdst, p.k_scale + so, write, writes_scale);
     quantize_chunk<T, S>(va, vb, vdst, p.v_scale + so, write, writes_scale);
   } else {
-    // A plain copy keeps each tensor's loads next to its stores: loading both first took 13-17% more time.
+    // A plain copy keeps each tensor's loads next to its stores: loading both first took 13-16% more time.
     copy_chunk<T>(key, kdst, write);
     copy_chunk<T>(value, vdst, write);
   }
