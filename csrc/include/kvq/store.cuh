@@ -1,8 +1,9 @@
 // store_kv: quantize (or copy) new K/V rows into the paged cache; dequantize: gather slots back.
 //
-// Each thread owns 16 consecutive elements of one (token, head) row of K and the same of V: two 16-byte
-// loads per tensor, one 16-byte store of 8-bit values (or two of bf16/fp16). The two lanes holding one
-// 32-element block agree on its scale by one shuffle. K, V and both scale planes go in one launch.
+// Each thread owns 16 elements of one (token, head) row of K and the same of V: two 16-byte loads per tensor,
+// one 16-byte store of 8-bit values (or two of bf16/fp16). Quantizing, they are consecutive, and the two lanes
+// holding one 32-element block agree on its scale by one shuffle; copying, they are two 16-byte words half a
+// row apart. K, V and both scale planes go in one launch.
 #pragma once
 
 #include "common.cuh"
@@ -57,14 +58,16 @@ __device__ __forceinline__ void quantize_chunk(uint4 a, uint4 b, S* dst, uint16_
   if (writes_scale) *scale_dst = q.scale;
 }
 
-// 16 elements of an unquantized cache: a copy.
+// 16 elements of an unquantized cache: a copy of 16-byte words c and c + chunks of the row, so that the lanes of
+// a row cover whole 32-byte sectors at each load and store (words 2c and 2c + 1 would leave every sector half
+// written by each of two stores).
 template <typename T>
-__device__ __forceinline__ void copy_chunk(const T* src, T* dst, bool write) {
-  const uint4 a = reinterpret_cast<const uint4*>(src)[0];
-  const uint4 b = reinterpret_cast<const uint4*>(src)[1];
+__device__ __forceinline__ void copy_chunk(const T* src_row, T* dst_row, int c, int chunks, bool write) {
+  const uint4 a = reinterpret_cast<const uint4*>(src_row)[c];
+  const uint4 b = reinterpret_cast<const uint4*>(src_row)[c + chunks];
   if (!write) return;
-  reinterpret_cast<uint4*>(dst)[0] = a;
-  reinterpret_cast<uint4*>(dst)[1] = b;
+  reinterpret_cast<uint4*>(dst_row)[c] = a;
+  reinterpret_cast<uint4*>(dst_row)[c + chunks] = b;
 }
 
 // Divisors of the thread index and the slot, built on the host. Where the thread count and the slot count
@@ -114,11 +117,13 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
   const bool writes_scale = (c % 2) == 0;
   const int64_t so = cache.scale_offset(s, h) + c / 2;
 
-  const T* key = static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + c * kChunk;
-  const T* value = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + c * kChunk;
-  S* kdst = static_cast<S*>(p.k_cache) + cache.k_offset(page, off, h) + c * kChunk;
-  S* vdst = static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h) + c * kChunk;
+  // Row starts; a quantizing thread takes elements [16c, 16c + 16) of its row.
+  const T* key = static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head;
+  const T* value = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head;
+  S* kdst = static_cast<S*>(p.k_cache) + cache.k_offset(page, off, h);
+  S* vdst = static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h);
   if constexpr (StorageTraits<S>::kQuantized) {
+    key += c * kChunk, value += c * kChunk, kdst += c * kChunk, vdst += c * kChunk;
     // Both tensors' loads before either store (a load may not be moved above a store that might alias it), so
     // V's round trip overlaps K's quantizer: on an H200 the 8-bit stores took 5.5-8% less time than with V
     // loaded after K's store.
@@ -128,8 +133,8 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
     quantize_chunk<T, S>(va, vb, vdst, p.v_scale + so, write, writes_scale);
   } else {
     // A plain copy keeps each tensor's loads next to its stores: loading both first took 13-16% more time.
-    copy_chunk<T>(key, kdst, write);
-    copy_chunk<T>(value, vdst, write);
+    copy_chunk<T>(key, kdst, c, chunks, write);
+    copy_chunk<T>(value, vdst, c, chunks, write);
   }
 }
 
