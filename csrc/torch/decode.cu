@@ -113,13 +113,26 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // per 32 requests of rows). On an H200 (8-bit caches, batch 8-64, 32k-128k tokens) that took 4-10% off 32/8
   // heads d128 and 12-17% off 32/8 d64. It needs four times the splits for as many CTAs, though, and where that
   // leaves a warp under 64 tiles the larger merge costs more than it saves (7% more at batch 1 with 128k tokens,
-  // 32/8 d128; up to 30% at 1k tokens): so only 8-bit caches whose splits are that long.
+  // 32/8 d128; up to 30% at 1k tokens). There, if the per-CTA mapping splits the sequences anyway, half the CTAs
+  // per SM give each warp twice the tiles and the merge twice the per-CTA mapping's parts, not four times; where
+  // a warp then walks at least 12 tiles, that took 4-8% off 32/8 heads d128 at batch 1 (32k-128k tokens) and
+  // batch 8 (4k-32k), and 4-15% off d64. Where the per-CTA mapping needs no merge (batch 64, 1k tokens) it cost
+  // 7-16%, and on bf16 caches (d64) up to 12%: so only 8-bit caches, only where the per-CTA mapping splits, and
+  // only for the shapes measured, those that fit four CTAs per SM (head_dim <= 128, up to 8 query heads per kv head).
   const int heads_choice = g_decode_heads.load();
   if (tc && heads_choice != 1 && tc_shape.warps > 1 && c.num_kv_heads % tc_shape.warps == 0) {
-    kvq::TcShape per_warp = tc_shape;
-    per_warp.warps = 1;
-    const int splits = kvq::decode_tc_num_splits(p.batch, p.num_kv_heads / tc_shape.warps, max_tokens, per_warp, sms);
-    if (heads_choice == 2 || (c.quantized && max_tokens / splits >= 64 * kvq::decode_tc::kTile)) {
+    const int groups = static_cast<int>(c.num_kv_heads) / tc_shape.warps;
+    auto per_warp_splits = [&](int ctas_per_sm) {
+      return kvq::decode_tc_num_splits(p.batch, groups, max_tokens, kvq::TcShape{1, ctas_per_sm}, sms);
+    };
+    constexpr int kTile = kvq::decode_tc::kTile;
+    int splits = per_warp_splits(tc_shape.ctas_per_sm);
+    bool per_warp = heads_choice == 2 || (c.quantized && max_tokens / splits >= 64 * kTile);
+    if (!per_warp && heads_choice == 0 && c.quantized && p.num_splits > 1 && tc_shape.ctas_per_sm >= 4) {
+      const int half = per_warp_splits(tc_shape.ctas_per_sm / 2);
+      if (max_tokens / half >= 12 * kTile) splits = half, per_warp = true;
+    }
+    if (per_warp) {
       p.heads_per_cta = tc_shape.warps;
       p.num_splits = splits;
     }
