@@ -73,7 +73,7 @@ def make_plan(quick: bool, heads=None, batches=None, ctxs=None, fi_dims=None) ->
             ks = 1024
             decode += [(*h, 1, c * ks) for c in (1, 2, 4, 8, 32, 128, 256)]
             decode += [(*h, 8, c * ks) for c in (1, 8, 32, 128)]
-            decode += [(*h, 64, c * ks) for c in (1, 8, 32)] + ([(*h, 64, 128 * ks)] if h == HEADS[0] else [])
+            decode += [(*h, 64, c * ks) for c in (1, 4, 8, 32)] + ([(*h, 64, 128 * ks)] if h == HEADS[0] else [])
     if quick:
         extend = [(*heads[0], 512, 8192), (*heads[0], 2048, 0), (*heads[0], 2048, 32768)]
         store = [(*heads[0], 65536)]

@@ -68,6 +68,9 @@ def test_plans_cover_the_asked_shapes():
     assert {s[:3] for s in full.decode} == set(kb.HEADS)
     assert {s[3] for s in full.decode} == {1, 8, 64}
     assert min(s[4] for s in full.decode) == 1024 and max(s[4] for s in full.decode) == 262144
+    # The first benchmark's shapes: batch 1 at 4k, 32k and 128k tokens, batch 64 at 4k.
+    for h in kb.HEADS[:2]:
+        assert {(*h, 1, 4096), (*h, 1, 32768), (*h, 1, 131072), (*h, 64, 4096)} <= set(full.decode)
     assert {s[3] for s in full.extend} == {512, 2048, 8192} and {s[4] for s in full.extend} == {0, 4096, 32768}
     assert all(s[3] >= 65536 for s in full.store)
     quick = kb.make_plan(True)
