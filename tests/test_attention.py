@@ -180,6 +180,8 @@ def test_decode_gpu(backend, case):
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_decode_long_gpu(backend, fmt):
+    """Two long sequences at 32/8 heads: on a 132-SM GPU the CUDA rule gives the 8-bit cases one kv head per
+    warp at half the CTAs per SM (a warp under 64 tiles at full occupancy), the unquantized ones a CTA per head."""
     dt = torch.float16 if fmt == "fp16" else torch.bfloat16
     check_decode(backend, fmt, dt, 32, 8, 128, 16, [131072, 70001], device="cuda")
 

@@ -115,10 +115,11 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // leaves a warp under 64 tiles the larger merge costs more than it saves (7% more at batch 1 with 128k tokens,
   // 32/8 d128; up to 30% at 1k tokens). There, if the per-CTA mapping splits the sequences anyway, half the CTAs
   // per SM give each warp twice the tiles and the merge twice the per-CTA mapping's parts, not four times; where
-  // a warp then walks at least 12 tiles, that took 4-8% off 32/8 heads d128 at batch 1 (32k-128k tokens) and
-  // batch 8 (4k-32k), and 4-15% off d64. Where the per-CTA mapping needs no merge (batch 64, 1k tokens) it cost
-  // 7-16%, and on bf16 caches (d64) up to 12%: so only 8-bit caches, only where the per-CTA mapping splits, and
-  // only for the shapes measured, those that fit four CTAs per SM (head_dim <= 128, up to 8 query heads per kv head).
+  // a warp then walks at least 12 tiles, that took 4-7% off 32/8 heads d128 at batch 1 with 128k tokens and
+  // batch 8 with 4k-32k, and 5-14% off d64 (batch 1 with 32k-128k, batch 8 with 4k-32k). Where the per-CTA
+  // mapping needs no merge (batch 64, 1k tokens) it cost 7-16%, and on bf16 caches (d64) up to 12%: so only
+  // 8-bit caches, only where the per-CTA mapping splits, and only for the shapes measured, those that fit four
+  // CTAs per SM (head_dim <= 128, up to 8 query heads per kv head).
   const int heads_choice = g_decode_heads.load();
   if (tc && heads_choice != 1 && tc_shape.warps > 1 && c.num_kv_heads % tc_shape.warps == 0) {
     const int groups = static_cast<int>(c.num_kv_heads) / tc_shape.warps;
