@@ -51,7 +51,9 @@ def quantize(x: Tensor, cache_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     else:
         q = y.to(torch.float8_e4m3fn)  # one rounding from fp32, to nearest even
     q = torch.where(finite, q, torch.zeros((), dtype=q.dtype, device=q.device))
-    scale = torch.where(finite, d, torch.full_like(d, math.nan)).to(SCALE_DTYPE)
+    # The NaN's bits are set, not converted: fp32 NaN -> fp16 gives 0x7E00 on a CPU but 0x7FFF on a GPU.
+    nan = torch.tensor(CANONICAL_NAN_F16, dtype=torch.int16, device=d.device).view(SCALE_DTYPE)
+    scale = torch.where(finite, d.to(SCALE_DTYPE), nan)
     return q.flatten(-2), scale.squeeze(-1)
 
 
