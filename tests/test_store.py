@@ -135,11 +135,13 @@ def test_store_triton_skips_out_of_range_slots():
     _assert_same_bytes((kc, vc, ks, vs), want)
 
 
-def _special_rows(model_dtype, fmt):
+def _special_rows(model_dtype, fmt, tiny=True):
     """Hand-built blocks whose rounding is decided by a tie or one ulp, plus non-finite and tiny blocks.
 
     Each row is one 32-element block (head_dim 32 * 8 blocks per token). Returns (x [8, 1, 256], expected
-    value codes for a few (block, element) positions, as the format defines them).
+    value codes for a few (block, element) positions, as the format defines them). ``tiny=False`` leaves out
+    the block whose d is below the smallest normal float: on a GPU the Triton store then takes its short path
+    (every d normal, zero or non-finite), with it the exact one.
     """
     m = 127.0 if fmt == "q8_0" else 448.0
     x = torch.randn(8, 32, dtype=torch.float64)
@@ -162,7 +164,7 @@ def _special_rows(model_dtype, fmt):
     # block 3: amax so small the fp16 scale is subnormal
     x[3] *= 3e-4
     # block 4: (bf16 only: fp16 cannot hold it) amax so small that 1/d overflows in fp32; zeros stay 0
-    if model_dtype == torch.bfloat16:
+    if model_dtype == torch.bfloat16 and tiny:
         x[4] *= 1e-38
         x[4, 5:9] = 0.0
     # block 5: -inf; block 6: all zeros (d = 0); block 7: large values near the dtype's range
@@ -172,14 +174,17 @@ def _special_rows(model_dtype, fmt):
     return x.to(model_dtype).reshape(1, 1, 256).expand(3, 1, 256).contiguous(), expect
 
 
+@pytest.mark.parametrize("device,tiny", [("cpu", True), pytest.param("cuda", True, marks=pytest.mark.gpu),
+                                         pytest.param("cuda", False, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
-def test_store_ties_and_non_finite(backend, fmt, model_dtype):
+def test_store_ties_and_non_finite(backend, fmt, model_dtype, device, tiny):
     ops = backend_ops(backend)
-    key, expect = _special_rows(model_dtype, fmt)
+    key, expect = _special_rows(model_dtype, fmt, tiny)
+    key = key.to(device)
     value = -key
-    slots = torch.tensor([5, -1, 2])
+    slots = torch.tensor([5, -1, 2], device=device)
     got, want = _store_both(ops, key, value, slots, 3, 4, QUANT[fmt])
     _assert_same_bytes(got, want)
     kc, ks = got[0], got[2]
@@ -192,9 +197,9 @@ def test_store_ties_and_non_finite(backend, fmt, model_dtype):
     assert bool((codes[1] == 0).all() and (codes[2] == 0).all())
     assert 0 < ks[1, 1, 0, 3].item() < 6.1e-5  # a subnormal fp16 scale
     assert ks[1, 1, 0, 6].item() == 0 and bool((codes[6] == 0).all())
-    if model_dtype == torch.bfloat16:
+    if model_dtype == torch.bfloat16 and tiny:
         assert bool((codes[4, 5:9] == 0).all())
-    back = ops.dequantize(kc, ks, torch.tensor([5]), model_dtype)
+    back = ops.dequantize(kc, ks, torch.tensor([5], device=device), model_dtype)
     assert bool(back[0, 0, 32:96].isnan().all()) and not bool(back[0, 0, :32].isnan().any())
 
 

@@ -6,6 +6,12 @@ part (libdevice ``round`` is half-to-even in the interpreter) of the *rounded* p
 is compiled without fp contraction (``enable_fp_fusion=False``: ptxas would fuse ``x * id - trunc`` into an
 fma and see the unrounded product), and e4m3 round-to-nearest-even done on the
 fp32 bits (Triton's fp32->fp8 cast rounds through fp16 first on sm_89).
+
+On a GPU a program whose blocks all have a normal-float (or zero, or non-finite) ``d`` takes a shorter path,
+the one the CUDA store takes for such blocks: ``1/d`` is then finite, so ``x * (1/d)`` is never NaN and stays
+within ``M + 0.0001``, where neither clamp can change a code; q8_0 rounds as ``trunc(y + copysign(0.5, y))``
+with the add rounded toward zero, e4m3 by one ``cvt.rn.satfinite`` (sm_89 and newer). A program with a block
+of ``amax`` below ~1e-36 takes the exact path above for all its blocks.
 """
 
 from __future__ import annotations
@@ -14,8 +20,39 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, dequant, upcast
+from ._common import FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, dequant, has_e4m3_cvt, upcast
 
+# Four fp32 y (|y| < 127.5, a normal block's) to four q8_0 bytes, round half away from zero, ANDed with $5 (-1
+# keeps them, 0 zeroes a non-finite block; the four elements are of one block, so $6-$8 are the same flag).
+_Q8_FAST = tl.constexpr("""{
+.reg .f32 h<4>;
+.reg .b32 r<4>, lo, hi;
+copysign.f32 h0, $1, 0f3F000000;
+copysign.f32 h1, $2, 0f3F000000;
+copysign.f32 h2, $3, 0f3F000000;
+copysign.f32 h3, $4, 0f3F000000;
+add.rz.f32 h0, $1, h0;
+add.rz.f32 h1, $2, h1;
+add.rz.f32 h2, $3, h2;
+add.rz.f32 h3, $4, h3;
+cvt.rzi.s32.f32 r0, h0;
+cvt.rzi.s32.f32 r1, h1;
+cvt.rzi.s32.f32 r2, h2;
+cvt.rzi.s32.f32 r3, h3;
+prmt.b32 lo, r0, r1, 0x0040;
+prmt.b32 hi, r2, r3, 0x0040;
+prmt.b32 lo, lo, hi, 0x5410;
+and.b32 $0, lo, $5;
+}""")
+# Four fp32 to four e4m3 bytes: one round to nearest even, saturating at +-448; ANDed with $5 as above.
+_E4M3_FAST = tl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 w;
+cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+mov.b32 w, {lo, hi};
+and.b32 $0, w, $5;
+}""")
 
 
 @triton.jit
@@ -36,34 +73,63 @@ def _e4m3_rne(y):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quantize_exact(xf, inv, FMT: tl.constexpr):
+    """Codes (int32) of ``xf`` scaled by ``inv``, for any block (NaN products, clamps, subnormal ``d``)."""
+    M: tl.constexpr = 127.0 if FMT == 1 else 448.0
+    y = xf * inv
+    y = tl.where(y != y, 0.0, y)  # 0 * inf: a zero element of a block whose 1/d overflows
+    y = tl.minimum(tl.maximum(y, -M), M)
+    if FMT == 1:
+        t = y.to(tl.int32)  # truncation toward zero
+        fr = y - t.to(tl.float32)  # exact
+        return t + tl.where(fr >= 0.5, 1, 0) - tl.where(fr <= -0.5, 1, 0)
+    else:
+        return _e4m3_rne(y)
+
+
+@triton.jit
 def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, hb, el, mask,
-                NBT: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+                NBT: tl.constexpr, NB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr,
+                E4M3_CVT: tl.constexpr):
     """Rows of a block of tokens: ``tok, slot, page, off [BT,1,1]``, ``hb [1,HB,1]`` the flat (head, 32-element
     block) index within a token, ``el [1,1,32]``; ``mask [BT,HB,1]``."""
     x = tl.load(x_ptr + tok * sx_t + (hb // NB) * sx_h + (hb % NB) * 32 + el, mask=mask, other=0.0)
     dst = page * sc_page + off * (NBT * 32) + hb * 32 + el
+    CT: tl.constexpr = c_ptr.dtype.element_ty
     if FMT == 0:
-        tl.store(c_ptr + dst, x.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptr + dst, x.to(CT), mask=mask)
     else:
         xf = upcast(x, INTERP)
-        bad = tl.max(((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32), axis=2, keep_dims=True)
-        amax = tl.max(tl.abs(xf), axis=2, keep_dims=True)
+        amax = tl.reduce(tl.abs(xf), 2, _max_nan, keep_dims=True)  # inf or NaN for a non-finite block
+        finite = amax <= 3.4028234663852886e38  # FLT_MAX
         M: tl.constexpr = 127.0 if FMT == 1 else 448.0
         dsc = tl.math.div_rn(amax, tl.full(amax.shape, M, tl.float32))
         inv = tl.where(dsc == 0.0, 0.0, tl.math.div_rn(tl.full(dsc.shape, 1.0, tl.float32), dsc))
-        y = xf * inv
-        y = tl.where(y != y, 0.0, y)  # 0 * inf: a zero element of a block whose 1/d overflows
-        y = tl.minimum(tl.maximum(y, -M), M)
-        if FMT == 1:
-            t = y.to(tl.int32)  # truncation toward zero
-            fr = y - t.to(tl.float32)  # exact
-            q = t + tl.where(fr >= 0.5, 1, 0) - tl.where(fr <= -0.5, 1, 0)
+        if INTERP:
+            q = tl.where(finite, _quantize_exact(xf, inv, FMT), 0).to(CT)
         else:
-            q = _e4m3_rne(y)
-        q = tl.where(bad != 0, 0, q)
-        tl.store(c_ptr + dst, q.to(c_ptr.dtype.element_ty), mask=mask)
-        sbits = tl.where(bad != 0, 0x7E00,  # the canonical fp16 NaN
-                         dsc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32))
+            tiny = finite & (dsc > 0.0) & (dsc < 1.1754943508222875e-38)  # FLT_MIN
+            if tl.max(tiny.to(tl.int32)) == 0:
+                y = xf * inv
+                keep = tl.broadcast_to(tl.where(finite, -1, 0), y.shape)
+                if FMT == 1:
+                    q = tl.inline_asm_elementwise(_Q8_FAST, "=r,f,f,f,f,r,r,r,r", [y, keep], dtype=tl.int8,
+                                                  is_pure=True, pack=4)
+                elif E4M3_CVT:
+                    q = tl.inline_asm_elementwise(_E4M3_FAST, "=r,f,f,f,f,r,r,r,r", [y, keep], dtype=tl.uint8,
+                                                  is_pure=True, pack=4)
+                else:
+                    q = tl.where(finite, _e4m3_rne(tl.minimum(tl.maximum(y, -M), M)), 0).to(CT)
+            else:
+                q = tl.where(finite, _quantize_exact(xf, inv, FMT), 0).to(CT)
+        tl.store(c_ptr + dst, q, mask=mask)
+        sbits = tl.where(finite, dsc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32),
+                         0x7E00)  # the canonical fp16 NaN
         tl.store(s_ptr + slot * NBT + hb, sbits.to(tl.int16), mask=mask)
 
 
@@ -82,7 +148,7 @@ def _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE: tl.constexpr, BT: t
 def _store_kernel(k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                   kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, slot_ptr, num_tokens, num_slots,
                   PAGE_SIZE: tl.constexpr, NBT: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr,
-                  HB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+                  HB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
     tok, slot, page, off, keep = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE, BT)
     hb = (tl.program_id(1) * HB + tl.arange(0, HB))[None, :, None]
     el = tl.arange(0, 32)[None, None, :]
@@ -90,9 +156,9 @@ def _store_kernel(k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
     # The value planes may be views with any page stride; the scale planes are dense (checked), so a scale's
     # index is the slot's.
     _store_rows(k_ptr, sk_t, sk_h, kc_ptr, skc_page, ks_ptr, tok, slot, page, off, hb, el, mask,
-                NBT, NB, FMT, INTERP)
+                NBT, NB, FMT, INTERP, E4M3_CVT)
     _store_rows(v_ptr, sv_t, sv_h, vc_ptr, svc_page, vs_ptr, tok, slot, page, off, hb, el, mask,
-                NBT, NB, FMT, INTERP)
+                NBT, NB, FMT, INTERP, E4M3_CVT)
 
 
 def _tiling(hkv: int, d: int) -> tuple[int, int, int]:
@@ -122,7 +188,7 @@ def store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> No
                         kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, slot_mapping.contiguous(), t,
                         k_cache.shape[0] * page_size,
                         PAGE_SIZE=page_size, NBT=hkv * nb, NB=nb, BT=bt, HB=hb, FMT=fmt,
-                        INTERP=INTERPRET, num_warps=warps,
+                        INTERP=INTERPRET, E4M3_CVT=has_e4m3_cvt(key.device), num_warps=warps,
                         # no mul+sub -> fma contraction: q8_0 rounding reads the fractional part of the rounded y
                         enable_fp_fusion=False)
 
