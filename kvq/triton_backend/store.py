@@ -10,8 +10,8 @@ fp32 bits (Triton's fp32->fp8 cast rounds through fp16 first on sm_89).
 On a GPU a program whose blocks all have a normal-float (or zero, or non-finite) ``d`` takes a shorter path,
 the one the CUDA store takes for such blocks: ``1/d`` is then finite, so ``x * (1/d)`` is never NaN and stays
 within ``M + 0.0001``, where neither clamp can change a code; q8_0 rounds as ``trunc(y + copysign(0.5, y))``
-with the add rounded toward zero, e4m3 by one ``cvt.rn.satfinite`` (sm_89 and newer). A program with a block
-of ``amax`` below ~1e-36 takes the exact path above for all its blocks.
+with the add rounded toward zero, e4m3 by one ``cvt.rn.satfinite`` (so e4m3 only on sm_89 and newer). A
+program with a block of ``amax`` below ~1e-36 takes the exact path above for all its blocks.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, 
         M: tl.constexpr = 127.0 if FMT == 1 else 448.0
         dsc = tl.math.div_rn(amax, tl.full(amax.shape, M, tl.float32))
         inv = tl.where(dsc == 0.0, 0.0, tl.math.div_rn(tl.full(dsc.shape, 1.0, tl.float32), dsc))
-        if INTERP:
+        if INTERP or (FMT == 2 and not E4M3_CVT):  # the short path needs PTX (and e4m3 conversions)
             q = tl.where(finite, _quantize_exact(xf, inv, FMT), 0).to(CT)
         else:
             tiny = finite & (dsc > 0.0) & (dsc < 1.1754943508222875e-38)  # FLT_MIN
@@ -120,11 +120,9 @@ def _store_rows(x_ptr, sx_t, sx_h, c_ptr, sc_page, s_ptr, tok, slot, page, off, 
                 if FMT == 1:
                     q = tl.inline_asm_elementwise(_Q8_FAST, "=r,f,f,f,f,r,r,r,r", [y, keep], dtype=tl.int8,
                                                   is_pure=True, pack=4)
-                elif E4M3_CVT:
+                else:
                     q = tl.inline_asm_elementwise(_E4M3_FAST, "=r,f,f,f,f,r,r,r,r", [y, keep], dtype=tl.uint8,
                                                   is_pure=True, pack=4)
-                else:
-                    q = tl.where(finite, _e4m3_rne(tl.minimum(tl.maximum(y, -M), M)), 0).to(CT)
             else:
                 q = tl.where(finite, _quantize_exact(xf, inv, FMT), 0).to(CT)
         tl.store(c_ptr + dst, q, mask=mask)
