@@ -181,7 +181,7 @@ def test_decode_gpu(backend, case):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_decode_long_gpu(backend, fmt):
     """Two long sequences at 32/8 heads: on a 132-SM GPU the CUDA rule gives the 8-bit cases one kv head per
-    warp at half the CTAs per SM (a warp under 64 tiles at full occupancy), the unquantized ones a CTA per head."""
+    warp (a warp walks over 48 tiles), the unquantized ones a CTA per head."""
     dt = torch.float16 if fmt == "fp16" else torch.bfloat16
     check_decode(backend, fmt, dt, 32, 8, 128, 16, [131072, 70001], device="cuda")
 
@@ -212,11 +212,15 @@ def test_decode_many_parts_gpu(backend, fmt):
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
 @pytest.mark.parametrize("batch", [48, 100])
-def test_decode_large_batch_gpu(backend, fmt, batch):
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 4, 64)], ids=["32-8-d128", "16-4-d64"])
+def test_decode_large_batch_gpu(backend, fmt, batch, heads):
     """Many (sequence, kv head) pairs: one split each, or, past the GPU's slots, a few splits that fill whole
-    waves; the merge then combines few parts per head."""
+    waves; the merge then combines few parts per head. On a 132-SM GPU the CUDA rule gives bf16 at 32/8 heads
+    one kv head per warp without splits, and bf16 at d64 with 48 x 4 pairs two splits."""
+    hq, hkv, d = heads
     lens = torch.randint(1, 9000, (batch,)).tolist()
-    check_decode(backend, fmt, torch.bfloat16, 32, 8, 128, 16, lens, device="cuda")
+    lens[0] = 9000
+    check_decode(backend, fmt, torch.bfloat16, hq, hkv, d, 16, lens, device="cuda")
 
 
 def _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap):

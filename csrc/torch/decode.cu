@@ -17,6 +17,69 @@ std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per
 // group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
 constexpr int kTensorCoreGroup = 1;
 
+// The tensor-core kernel's split count and kv-head mapping (p.num_splits, p.heads_per_cta), from shapes only.
+// Measured on an H200: 120 shapes (6 head layouts, batch 1-64, 1k-128k tokens, bf16 and q8_0), each against every
+// split count sized for one to four CTAs per SM, with both mappings; then checked against the previous rule (one
+// wave at full occupancy) in one run: those shapes 3.4% less time (geometric mean), 143 others 2.0% less, and
+// 86 of many long sequences 0.5% less.
+//
+// - Splits are sized for two CTAs per SM, not for the full occupancy (three or four CTAs of four warps): more,
+//   shorter splits bought no bandwidth and cost a larger merge (8-bit, batch 1 with 8k-32k tokens: 3-16% more
+//   time). Where the (sequence, kv head) pairs alone exceed two CTAs per SM, whole waves at full occupancy.
+// - head_dim 256: one CTA per SM where two would leave a warp under 12 tiles, or where one needs no split and
+//   a warp walks at most 64 tiles (batch 1 with 32k tokens: 5-6% less time; batch 64 with 1k: 13-23% less).
+// - head_dim 64: rows are half a cache line, so a CTA keeps few bytes in flight; where the pairs leave under two
+//   CTAs per SM and the sequences are long (>= 32 tiles per warp in each half), two splits (batch 64, 9/3 heads,
+//   4k tokens: 11% less time than one).
+// - One kv head per warp instead of per CTA, where the kv heads divide into the warps: a token's scales of all kv
+//   heads are one short row, so warps walking the same tokens for different heads share the scale lines in L1
+//   (a CTA per head pays an L2 request per two tokens' scales at 32/8 heads, d128). It needs as many times the
+//   splits as the CTA has warps, so for 8-bit caches it pays only where each warp walks >= 48 tiles, or >= 128
+//   where the per-CTA mapping would need no merge at all (batch 1 with 128k tokens, batch 8 with 32k: up to 7%
+//   less time at d64; at batch 1 with 32k tokens it cost 8%). Its splits are sized for the full occupancy where
+//   a warp still walks >= 128 tiles (batch 8 with 128k tokens: about 8% less time than at two CTAs per SM, in
+//   separate runs), for two CTAs per SM otherwise. bf16 caches have no scales, but where the pairs exceed two
+//   CTAs per SM and one CTA per (sequence, group of kv heads) fits a wave, that mapping without splits took
+//   5-21% off batch 64-128 (32/8, 64/8, 28/4 and 64/4 heads, d128).
+// Known costs against the previous rule (same run): 8-bit caches at 32/8 and 40/8 heads with 2-8 sequences of
+// 64k-256k tokens, where a warp would walk 124 tiles at full occupancy, q8_0 2-7% more time (fp8_e4m3 2-4% less);
+// 16 query heads per kv head (64/4), 8-bit, batch 2-32: 4-7% more.
+void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, int max_tokens, int sms, int heads_choice) {
+  constexpr int kTile = kvq::decode_tc::kTile;
+  const int64_t pairs = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+  const int w = shape.warps;
+  auto splits_for = [&](int kv_heads, int warps, int ctas_per_sm) {
+    return kvq::decode_tc_num_splits(p.batch, kv_heads, max_tokens, kvq::TcShape{warps, ctas_per_sm}, sms);
+  };
+  auto tiles_per_warp = [&](int splits) { return max_tokens / (int64_t{splits} * kTile * w); };
+  int c = std::min(shape.ctas_per_sm, 2);
+  if (pairs > int64_t{sms} * c) c = shape.ctas_per_sm;
+  int splits = splits_for(p.num_kv_heads, w, c);
+  if (p.head_dim == 256 && c > 1) {
+    const int one_per_sm = splits_for(p.num_kv_heads, w, 1);
+    if ((one_per_sm == 1 && tiles_per_warp(1) <= 64) || tiles_per_warp(splits) < 12) splits = one_per_sm;
+  }
+  if (p.head_dim == 64 && splits == 1 && pairs < int64_t{sms} * c && tiles_per_warp(2) >= 32 &&
+      splits_for(p.num_kv_heads, w, shape.ctas_per_sm) > 1)
+    splits = 2;
+  p.num_splits = splits;
+  p.heads_per_cta = 1;
+  if (heads_choice == 1 || w < 2 || p.num_kv_heads % w != 0) return;
+  const int groups = p.num_kv_heads / w;
+  int per_warp = 0;
+  if (heads_choice == 2) {
+    per_warp = splits_for(groups, 1, c);
+  } else if (quantized) {
+    const int full = splits_for(groups, 1, shape.ctas_per_sm);
+    const int s = max_tokens / (int64_t{full} * kTile) >= 128 ? full : splits_for(groups, 1, c);
+    if (max_tokens / (int64_t{s} * kTile) >= (splits > 1 ? 48 : 128)) per_warp = s;
+  } else if (pairs > int64_t{sms} * std::min(shape.ctas_per_sm, 2) &&
+             int64_t{p.batch} * groups <= int64_t{sms} * shape.ctas_per_sm) {
+    per_warp = splits_for(groups, 1, 1);
+  }
+  if (per_warp > 0) p.num_splits = per_warp, p.heads_per_cta = w;
+}
+
 }  // namespace
 
 int kvq_set_decode_kernel(int choice) { return g_decode_kernel.exchange(choice); }
@@ -102,41 +165,11 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   const int warps = tc ? 1 : kvq::decode_warps(p.format, p.dtype, p.head_dim);
   const int max_tokens = static_cast<int>(std::min<int64_t>(block_table.size(1) * c.page_size, INT32_MAX));
   const int sms = sm_count(dev.index());
-  const kvq::TcShape tc_shape = tc ? kvq::decode_tc_shape(p) : kvq::TcShape{};
-  // FMA: splits of at least two chunks per warp, over two CTAs per SM.
-  p.num_splits = tc ? kvq::decode_tc_num_splits(p.batch, p.num_kv_heads, max_tokens, tc_shape, sms)
-                    : kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
-                                             2 * warps * kvq::detail::kChunkTokens, 2 * sms);
-  // One kv head per warp instead of per CTA, where the kv heads divide into the warps. A token's scales of all kv
-  // heads are one short row, so warps that walk the same tokens for different heads read the same scale lines and
-  // L1 serves all but the first; a CTA per head pays an L2 request per two tokens' scales (32/8 heads, d128: 16
-  // per 32 requests of rows). On an H200 (8-bit caches, batch 8-64, 32k-128k tokens) that took 4-10% off 32/8
-  // heads d128 and 12-17% off 32/8 d64. It needs four times the splits for as many CTAs, though, and where that
-  // leaves a warp under 64 tiles the larger merge costs more than it saves (7% more at batch 1 with 128k tokens,
-  // 32/8 d128; up to 30% at 1k tokens). There, if the per-CTA mapping splits the sequences anyway, half the CTAs
-  // per SM give each warp twice the tiles and the merge twice the per-CTA mapping's parts, not four times; where
-  // a warp then walks at least 12 tiles, that took 4-7% off 32/8 heads d128 at batch 1 with 128k tokens and
-  // batch 8 with 4k-32k, and 5-14% off d64 (batch 1 with 32k-128k, batch 8 with 4k-32k). Where the per-CTA
-  // mapping needs no merge (batch 64, 1k tokens) it cost 7-16%, and on bf16 caches (d64) up to 12%: so only
-  // 8-bit caches, only where the per-CTA mapping splits, and only for the shapes measured, those that fit four
-  // CTAs per SM (head_dim <= 128, up to 8 query heads per kv head).
-  const int heads_choice = g_decode_heads.load();
-  if (tc && heads_choice != 1 && tc_shape.warps > 1 && c.num_kv_heads % tc_shape.warps == 0) {
-    const int groups = static_cast<int>(c.num_kv_heads) / tc_shape.warps;
-    auto per_warp_splits = [&](int ctas_per_sm) {
-      return kvq::decode_tc_num_splits(p.batch, groups, max_tokens, kvq::TcShape{1, ctas_per_sm}, sms);
-    };
-    constexpr int kTile = kvq::decode_tc::kTile;
-    int splits = per_warp_splits(tc_shape.ctas_per_sm);
-    bool per_warp = heads_choice == 2 || (c.quantized && max_tokens / splits >= 64 * kTile);
-    if (!per_warp && heads_choice == 0 && c.quantized && p.num_splits > 1 && tc_shape.ctas_per_sm >= 4) {
-      const int half = per_warp_splits(tc_shape.ctas_per_sm / 2);
-      if (max_tokens / half >= 12 * kTile) splits = half, per_warp = true;
-    }
-    if (per_warp) {
-      p.heads_per_cta = tc_shape.warps;
-      p.num_splits = splits;
-    }
+  if (tc) {
+    plan_tc_splits(p, kvq::decode_tc_shape(p), c.quantized, max_tokens, sms, g_decode_heads.load());
+  } else {  // FMA: splits of at least two chunks per warp, over two CTAs per SM
+    p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
+                                          2 * warps * kvq::detail::kChunkTokens, 2 * sms);
   }
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));
