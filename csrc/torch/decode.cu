@@ -44,7 +44,8 @@ constexpr int kTensorCoreGroup = 1;
 // Known costs against the previous rule (same run): 8-bit caches at 32/8 and 40/8 heads with 2-8 sequences of
 // 64k-256k tokens, where a warp would walk 124 tiles at full occupancy, q8_0 2-7% more time (fp8_e4m3 2-4% less);
 // 16 query heads per kv head (64/4), 8-bit, batch 2-32: 4-7% more.
-void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, int max_tokens, int sms, int heads_choice) {
+void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, int max_tokens, int sms,
+                    int heads_choice) {
   constexpr int kTile = kvq::decode_tc::kTile;
   const int64_t pairs = static_cast<int64_t>(p.batch) * p.num_kv_heads;
   const int w = shape.warps;

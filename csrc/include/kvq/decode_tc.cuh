@@ -719,8 +719,9 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
   });
 }
 
-// The split kernel's launch shape for p: its warps per CTA and the CTAs one SM holds at once (for the split
-// count: one full wave). Cached per device and instantiation, so a call costs no dispatch after the first.
+// The split kernel's launch shape for p: its warps per CTA and the CTAs one SM holds at once (the occupancy,
+// from which the split count is sized). Cached per device and instantiation, so a call costs no dispatch after
+// the first.
 struct TcShape {
   int warps = 4, ctas_per_sm = 1;
 };
@@ -745,8 +746,8 @@ inline TcShape decode_tc_shape(const DecodeParams& p) {
 }
 
 // Splits of the tensor-core kernel (decode_num_splits): at least two 16-token tiles for each warp of a CTA
-// over one wave of SMs x CTAs per SM (on an H200 two beat four by up to 25% at 1k-4k tokens and lost 10% only
-// at 16/2 heads d256 with 32k). Short sequences: where one-tile-per-warp splits of every sequence fit one CTA
+// over one wave of SMs x shape.ctas_per_sm, which the caller picks (on an H200 two tiles beat four by up to 25%
+// at 1k-4k tokens and lost 10% only at 16/2 heads d256 with 32k). Short sequences: where one-tile-per-warp splits of every sequence fit one CTA
 // per SM, those (on an H200, batch 1 with 1k tokens: 5-9% faster). Not beyond: one-tile splits filling every
 // slot were up to 20% slower at 4k-8k tokens, and uneven splits in between up to 12% slower.
 inline int decode_tc_num_splits(int batch, int num_kv_heads, int max_tokens, TcShape shape, int sms) {
