@@ -40,7 +40,7 @@ constexpr int kTensorCoreGroup = 1;
 //   a warp still walks >= 128 tiles (batch 8 with 128k tokens: about 8% less time than at two CTAs per SM, in
 //   separate runs), for two CTAs per SM otherwise. bf16 caches have no scales, but where the pairs exceed two
 //   CTAs per SM and one CTA per (sequence, group of kv heads) fits a wave, that mapping without splits took
-//   5-21% off batch 64-128 (32/8, 64/8, 28/4 and 64/4 heads, d128).
+//   1-21% off batch 16-128 at d128 and d256 (5-21% at 32/8, 64/8, 28/4 and 64/4 heads, d128), 0-3% more at d64.
 // Known costs against the previous rule (same run): 8-bit caches at 32/8 and 40/8 heads with 2-8 sequences of
 // 64k-256k tokens, where a warp would walk 124 tiles at full occupancy, q8_0 2-7% more time (fp8_e4m3 2-4% less);
 // 16 query heads per kv head (64/4), 8-bit, batch 2-32: 4-7% more.
