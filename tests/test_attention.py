@@ -179,11 +179,14 @@ def test_decode_gpu(backend, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_decode_long_gpu(backend, fmt):
-    """Two long sequences at 32/8 heads: on a 132-SM GPU the CUDA rule gives the 8-bit cases one kv head per
-    warp (a warp walks over 48 tiles), the unquantized ones a CTA per head."""
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=["32-8-d128", "9-3-d64"])
+def test_decode_long_gpu(backend, fmt, heads):
+    """Two long sequences: on a 132-SM GPU the CUDA rule gives the 8-bit cases at 32/8 heads one kv head per
+    warp (a warp walks over 48 tiles), the unquantized ones a CTA per head; Triton runs one-warp programs that
+    read the 8-bit values as words."""
     dt = torch.float16 if fmt == "fp16" else torch.bfloat16
-    check_decode(backend, fmt, dt, 32, 8, 128, 16, [131072, 70001], device="cuda")
+    hq, hkv, d = heads
+    check_decode(backend, fmt, dt, hq, hkv, d, 16, [131072, 70001], device="cuda")
 
 
 @pytest.mark.gpu
