@@ -376,6 +376,14 @@ def _config(query, k_cache, max_len, sad=None):
 
     splits = split_count(block_n)
     tiles = triton.cdiv(max_len, splits * block_n)  # per program
+    if sad and d <= 128 and tiles < 4:
+        # One-warp programs of under four tiles spend more on their partials and the merge than the extra
+        # programs buy: splits for four programs per SM instead (on an H200, batch 1: 32/8 heads d64 with 8k
+        # tokens 12.6 -> 9.9 us q8_0, 4k 8.0 -> 7.9; 32/8 and 64/8 d128 with 4k-8k 3-5% less; 9/3 d64 with 8k
+        # 2% more).
+        per_sm = 4
+        splits = split_count(block_n)
+        tiles = triton.cdiv(max_len, splits * block_n)
     if sad and d > 128 and tiles <= 2:
         # Two warps suit programs that walk several tiles; four split each tile's columns between them, which
         # shortens programs of one or two tiles (short sequences). Where those programs do not fill the SMs
@@ -384,10 +392,11 @@ def _config(query, k_cache, max_len, sad=None):
         warps = 4
         if splits * batch * hkv <= sms:
             block_n, splits = 32, split_count(32)
-    elif sad and tiles <= 1 and splits * batch * hkv <= 2 * sms:
-        # The same for one-tile programs at head_dim 64 and 128, where they fill the SMs at most twice (on an
-        # H200, batch 1 with 1k tokens: 4-8% less time at 32/8 heads d128, 3-4% at 9/3 d64; 9/3 d64 with 2k
-        # tokens within 3% either way; 32/8 d128 with 2k, 512 programs, 2% more).
+    elif sad and d > 64 and tiles <= 1 and splits * batch * hkv <= 2 * sms:
+        # The same for one-tile programs at head_dim 128, where they fill the SMs at most twice (on an H200,
+        # batch 1 with 1k tokens: 4-8% less time at 32/8 heads; 32/8 with 2k, 512 programs, 2% more). At head_dim
+        # 64, where one warp reads the values as words, one warp is faster (batch 1: 9/3 heads with 1k-2k tokens
+        # 3-5% less time than four warps, 32/8 with 1k 5%).
         warps, stages = 4, 2
     return block_n, splits, warps, stages
 
