@@ -164,7 +164,7 @@ def _codes_from_words(ptrs, keep, FMT: tl.constexpr):
     ``[BLOCK_N, 8]`` int32 words of four codes each. Decoded in the layout they are loaded in, the fp16 tile
     reaches the P @ V dot through a transposing shared-memory copy (ldmatrix.trans). Decoding the bytes where
     the dot wants them (``_codes``) made Triton gather them one byte per load, as that operand needs four
-    consecutive tokens per thread: 19-24% of the split loop's instructions on sm_90 with triton 3.6 (1453 ->
+    consecutive tokens per thread: 20-24% of the split loop's instructions on sm_90 with triton 3.6 (1453 ->
     1106 per 32-token tile at head_dim 128, q8_0, one warp)."""
     w = tl.load(ptrs, mask=keep, other=0)
     if FMT == 1:
