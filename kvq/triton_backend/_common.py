@@ -108,18 +108,21 @@ def upcast(x, INTERP: tl.constexpr):
         return x.to(tl.float32)
 
 
-# int8 x4 -> fp16 x4 without the int->float conversion unit (a quarter-rate pipe that bounds an 8-bit decode
-# far below memory bandwidth): u = q + 128 goes into the mantissa of 1024.0 (fp16 0x6400 | u = 1024 + u), and
-# 1152 = 1024 + 128 is subtracted, exactly.
-_I8_TO_F16 = tl.constexpr("""{
-.reg .b32 t, m;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 $0, t, 0x64646464, 0x5150;
-prmt.b32 $1, t, 0x64646464, 0x5352;
-mov.b32 m, 0x64806480;
-sub.rn.f16x2 $0, $0, m;
-sub.rn.f16x2 $1, $1, m;
-}""")
+def i8x4_to_f16x2_ptx(src: str, lo: str, hi: str) -> str:
+    """PTX turning the four int8 of the 32-bit ``src`` into fp16 pairs ``lo`` (bytes 0, 1) and ``hi`` (bytes 2,
+    3) without the int->float conversion unit (a quarter-rate pipe that bounds an 8-bit decode far below memory
+    bandwidth): u = q + 128 goes into the mantissa of 1024.0 (fp16 0x6400 | u = 1024 + u), and 1152 = 1024 + 128
+    is subtracted, exactly. Uses .b32 registers ``t`` and ``m``, which the caller declares."""
+    return (f"xor.b32 t, {src}, 0x80808080;\n"
+            f"prmt.b32 {lo}, t, 0x64646464, 0x5150;\n"
+            f"prmt.b32 {hi}, t, 0x64646464, 0x5352;\n"
+            "mov.b32 m, 0x64806480;\n"
+            f"sub.rn.f16x2 {lo}, {lo}, m;\n"
+            f"sub.rn.f16x2 {hi}, {hi}, m;\n")
+
+
+# int8 x4 -> fp16 x4 (pack=4 over an int8 tensor: two packed fp16 pairs out).
+_I8_TO_F16 = tl.constexpr("{\n.reg .b32 t, m;\n" + i8x4_to_f16x2_ptx("$2", "$0", "$1") + "}")
 
 
 def has_e4m3_cvt(device: torch.device) -> bool:

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ._common import (_I8_TO_F16, FMT_PLAIN, FMT_Q8_0, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim,
-                      dequant, dequant_f16, has_e4m3_cvt, page_of, scores, softmax_step, upcast)
+                      dequant, dequant_f16, has_e4m3_cvt, i8x4_to_f16x2_ptx, page_of, scores, softmax_step,
+                      upcast)
 
 _LOG2E = 1.4426950408889634
 
@@ -136,17 +137,8 @@ def _codes(ptrs, keep, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.con
 
 # int8 x4 (one int32 word) -> four fp16, as _common._I8_TO_F16, unpacked to 16-bit outputs; e4m3 x4 -> four fp16 by
 # two cvt.rn.f16x2.e4m3x2 (sm_89 and newer).
-_I8X4_TO_F16 = tl.constexpr("""{
-.reg .b32 t, m, a, b;
-xor.b32 t, $4, 0x80808080;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-mov.b32 m, 0x64806480;
-sub.rn.f16x2 a, a, m;
-sub.rn.f16x2 b, b, m;
-mov.b32 {$0, $1}, a;
-mov.b32 {$2, $3}, b;
-}""")
+_I8X4_TO_F16 = tl.constexpr("{\n.reg .b32 t, m, a, b;\n" + i8x4_to_f16x2_ptx("$4", "a", "b")
+                            + "mov.b32 {$0, $1}, a;\nmov.b32 {$2, $3}, b;\n}")
 _E4M3X4_TO_F16 = tl.constexpr("""{
 .reg .b16 lo, hi;
 .reg .b32 a, b;
