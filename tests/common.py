@@ -80,7 +80,8 @@ def backend_ops(name: str):
     ``reference`` and ``triton`` are Python modules; ``cuda`` is the compiled kernels behind ``torch.ops.kvq``
     (only when ``kvq._C`` is the active CUDA backend); ``cuda-fma`` the same with the FMA decode kernel;
     ``cuda-warp`` with the tensor-core decode kernel mapping one kv head per warp (the rule does so only for
-    8-bit caches whose splits are long enough; shapes whose kv heads do not divide into its warps keep one per CTA);
+    8-bit caches whose splits are long enough; where the kv heads do not divide into its warps, in CTAs of fewer
+    warps: three at 9/3 heads, two at 16/2; a prime number of kv heads above four keeps one per CTA);
     ``cuda-wide`` / ``cuda-deep`` with the extend kernel held to one CTA shape (the rule picks by CTA count,
     so small test shapes would otherwise only reach one).
     """

@@ -12,7 +12,7 @@ using namespace kvq_torch;
 
 namespace {
 std::atomic<int> g_decode_kernel{0};
-std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per CTA, 2: one per warp where they divide
+std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per CTA, 2: one per warp wherever it can
 // GQA groups from this size up use the tensor-core kernel. On an H200 it beat the FMA kernel at every
 // group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
 constexpr int kTensorCoreGroup = 1;
@@ -41,6 +41,15 @@ constexpr int kTensorCoreGroup = 1;
 //   separate runs), for two CTAs per SM otherwise. bf16 caches have no scales, but where the pairs exceed two
 //   CTAs per SM and one CTA per (sequence, group of kv heads) fits a wave, that mapping without splits took
 //   1-21% off batch 16-128 at d128 and d256 (5-21% at 32/8, 64/8, 28/4 and 64/4 heads, d128), 0-3% more at d64.
+// - Where the warps do not divide the kv heads (9/3, 16/2 heads), one kv head per warp in a CTA of fewer warps
+//   (the largest divisor of the kv heads below the warps), for 8-bit caches in CTAs of three warps, or of two at
+//   head_dim 256, with splits sized for four such CTAs per SM that fill them (at batch 1 the split cap holds them
+//   back: 6-32% more time) where a warp walks >= 48 tiles (128 where the per-CTA mapping needs no merge). Against
+//   one kv head per CTA, on an H200: 9/3 d64 1-9% less time at batch 8 with 128k tokens and batch 64 with 8k-32k
+//   (q8_0 at batch 64 with 32k: 315.7 -> 286.8 us), 16/2 d256 1-3% less at batch 8 with 128k and batch 64 with
+//   32k. Shorter walks cost 2-13% (9/3 d64, batch 8 with 8k-32k tokens), five CTAs per SM (the occupancy of three
+//   warps at d64) 6-11% more than four, and two-warp CTAs at d64 and d128 (14/2, 12/2 heads) gained nothing (1%
+//   more time at batch 64 with 8k tokens, 3-28% more at batch 1 and 8).
 // Known costs against the previous rule (same run): 8-bit caches at 32/8 and 40/8 heads with 2-8 sequences of
 // 64k-256k tokens, where a warp would walk 124 tiles at full occupancy, q8_0 2-7% more time (fp8_e4m3 2-4% less);
 // 16 query heads per kv head (64/4), 8-bit, batch 2-32: 4-7% more.
@@ -65,10 +74,23 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     splits = 2;
   p.num_splits = splits;
   p.heads_per_cta = 1;
-  if (heads_choice == 1 || w < 2 || p.num_kv_heads % w != 0) return;
-  const int groups = p.num_kv_heads / w;
+  if (heads_choice == 1 || w < 2) return;
+  // kv heads per CTA for one per warp: the warps, or where they do not divide the kv heads the largest divisor of
+  // the kv heads below them, in a CTA of that many warps.
+  int hpc = 0;
+  for (int d = w; d >= 2 && hpc == 0; --d)
+    if (p.num_kv_heads % d == 0) hpc = d;
+  if (hpc == 0) return;
+  const int groups = p.num_kv_heads / hpc;
   int per_warp = 0;
-  if (heads_choice == 2) {
+  if (hpc < w) {
+    const int c_h = std::min(kvq::decode_tc_shape(p, hpc).ctas_per_sm, 4);
+    const int s = splits_for(groups, 1, c_h);
+    const bool fills = int64_t{p.batch} * groups * s * 10 >= int64_t{sms} * c_h * 9;  // not held back by the cap
+    if (heads_choice == 2 || (quantized && (hpc >= 3 || p.head_dim == 256) && fills &&
+                              max_tokens / (int64_t{s} * kTile) >= (splits > 1 ? 48 : 128)))
+      per_warp = s;
+  } else if (heads_choice == 2) {
     per_warp = splits_for(groups, 1, c);
   } else if (quantized) {
     const int full = splits_for(groups, 1, shape.ctas_per_sm);
@@ -78,7 +100,7 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
              int64_t{p.batch} * groups <= int64_t{sms} * shape.ctas_per_sm) {
     per_warp = splits_for(groups, 1, 1);
   }
-  if (per_warp > 0) p.num_splits = per_warp, p.heads_per_cta = w;
+  if (per_warp > 0) p.num_splits = per_warp, p.heads_per_cta = hpc;
 }
 
 }  // namespace

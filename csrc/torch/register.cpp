@@ -50,7 +50,8 @@ static PyMethodDef kMethods[] = {
      "Choose the CUDA decode kernel: 'auto' (by GQA group size), 'fma' or 'tc' (tensor cores); returns the previous."},
     {"set_decode_heads", set_decode_heads, METH_O,
      "Map kv heads of the tensor-core decode kernel: 'auto' (by format and split length), 'cta' (one per CTA) or "
-     "'warp' (one per warp, where they divide into the warps); returns the previous."},
+     "'warp' (one per warp, in CTAs of as many warps as the largest divisor of the kv heads up to its warps); returns "
+     "the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by CTA count), 'wide' or 'deep'; returns the previous."},

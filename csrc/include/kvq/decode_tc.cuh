@@ -72,6 +72,7 @@ struct Cfg {
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
   static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
+  static_assert(kSmem % kWarps == 0, "decode_tc: a CTA of fewer warps takes kSmem / kWarps per warp");
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
   static_assert(kStages >= 2, "decode_tc: a tile does not fit twice");
@@ -178,10 +179,10 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   const int gid = lane / 4, tig = lane % 4;
   unsigned char* ring = smem + warp * C::kStages * C::kStageBytes;
 
-  // One kv head per CTA, its warps taking the split's tiles round robin, or one per warp (heads_per_cta ==
-  // kWarps), each warp walking the whole split of its head.
+  // One kv head per CTA, its warps taking the split's tiles round robin, or one per warp (a CTA of
+  // heads_per_cta warps, at most kWarps), each warp walking the whole split of its head.
   const bool warp_heads = p.heads_per_cta > 1;
-  const int split = blockIdx.x, kvh = warp_heads ? blockIdx.y * C::kWarps + warp : blockIdx.y, b = blockIdx.z;
+  const int split = blockIdx.x, kvh = warp_heads ? blockIdx.y * p.heads_per_cta + warp : blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads;
   const paged_kv_t<S> cache = detail::decode_cache<S, HD>(p);
 
@@ -633,11 +634,11 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   // Each kv head of the CTA from the partials of its kW warps. Four columns per thread and step: 16-byte
   // shared-memory reads and global stores.
   auto combine = [&](auto warps_per_head) {
-    constexpr int kW = decltype(warps_per_head)::value, kHeads = C::kWarps / kW;
-#pragma unroll
-    for (int hh = 0; hh < kHeads; ++hh) {
-      const int head = blockIdx.y * kHeads + hh;
-      for (int i = threadIdx.x; i < G * HD / 4; i += C::kWarps * 32) {
+    constexpr int kW = decltype(warps_per_head)::value;
+    const int heads = blockDim.x / (32 * kW);
+    for (int hh = 0; hh < heads; ++hh) {
+      const int head = blockIdx.y * heads + hh;
+      for (int i = threadIdx.x; i < G * HD / 4; i += blockDim.x) {
         const int g = 4 * i / HD, d = 4 * i % HD;
         float mx = -INFINITY;
 #pragma unroll
@@ -720,28 +721,31 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
 }
 
 // The split kernel's launch shape for p: its warps per CTA and the CTAs one SM holds at once (the occupancy,
-// from which the split count is sized). Cached per device and instantiation, so a call costs no dispatch after
-// the first.
+// from which the split count is sized); with `warps` (2 up to its own), that of a CTA of so many warps, as one
+// kv head per warp launches where fewer kv heads than its warps divide the cache's. Cached per device,
+// instantiation and warp count, so a call costs no dispatch after the first.
 struct TcShape {
   int warps = 4, ctas_per_sm = 1;
 };
-inline TcShape decode_tc_shape(const DecodeParams& p) {
-  static TcShape cached[64][3][2][3][2] = {};  // device, format, dtype, head_dim, group bucket
-  static bool known[64][3][2][3][2] = {};
+inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
+  static TcShape cached[64][3][2][3][2][4] = {};  // device, format, dtype, head_dim, group bucket, warps (own, 2-4)
+  static bool known[64][3][2][3][2][4] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return TcShape{};
   const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
   const int g = p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8 ? 1 : 0;
+  const int wi = warps >= 2 && warps <= 4 ? warps - 1 : 0;
   const bool cacheable = dev >= 0 && dev < 64;
   const int f = int(p.format) % 3, t = int(p.dtype) % 2;
-  if (cacheable && known[dev][f][t][hd][g]) return cached[dev][f][t][hd][g];
+  if (cacheable && known[dev][f][t][hd][g][wi]) return cached[dev][f][t][hd][g][wi];
   TcShape shape;
-  const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
-    shape.warps = warps;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shape.ctas_per_sm, kernel, warps * 32, smem);
+  const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int own) {
+    shape.warps = wi > 0 ? std::min(warps, own) : own;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shape.ctas_per_sm, kernel, shape.warps * 32,
+                                                         smem / own * shape.warps);
   });
   if (e != cudaSuccess || shape.ctas_per_sm <= 0) shape.ctas_per_sm = 1;
-  if (cacheable) cached[dev][f][t][hd][g] = shape, known[dev][f][t][hd][g] = true;
+  if (cacheable) cached[dev][f][t][hd][g][wi] = shape, known[dev][f][t][hd][g][wi] = true;
   return shape;
 }
 
@@ -762,8 +766,12 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
   if (p.batch == 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
   return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
-    if (p.heads_per_cta != 1 && (p.heads_per_cta != warps || p.num_kv_heads % warps != 0)) return cudaErrorInvalidValue;
-    kernel<<<dim3(p.num_splits, p.num_kv_heads / p.heads_per_cta, p.batch), warps * 32, smem, stream>>>(p, FastDivmod(p.page_size));
+    const int hpc = p.heads_per_cta;
+    if (hpc < 1 || hpc > warps || p.num_kv_heads % hpc != 0) return cudaErrorInvalidValue;
+    // One kv head per warp: a CTA of hpc warps, and the shared memory of as many (it is linear in the warps).
+    const int threads = (hpc > 1 ? hpc : warps) * 32;
+    kernel<<<dim3(p.num_splits, p.num_kv_heads / hpc, p.batch), threads, smem / warps * (threads / 32), stream>>>(
+        p, FastDivmod(p.page_size));
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || p.num_splits == 1) return e;  // one split wrote the output itself
     return launch_decode_merge(p, p.num_splits, stream);
