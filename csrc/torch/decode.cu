@@ -61,15 +61,15 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   auto splits_for = [&](int kv_heads, int warps, int ctas_per_sm) {
     return kvq::decode_tc_num_splits(p.batch, kv_heads, max_tokens, kvq::TcShape{warps, ctas_per_sm}, sms);
   };
-  auto tiles_per_warp = [&](int splits) { return max_tokens / (int64_t{splits} * kTile * w); };
+  auto tiles_per_warp = [&](int splits, int warps) { return max_tokens / (int64_t{splits} * kTile * warps); };
   int c = std::min(shape.ctas_per_sm, 2);
   if (pairs > int64_t{sms} * c) c = shape.ctas_per_sm;
   int splits = splits_for(p.num_kv_heads, w, c);
   if (p.head_dim == 256 && c > 1) {
     const int one_per_sm = splits_for(p.num_kv_heads, w, 1);
-    if ((one_per_sm == 1 && tiles_per_warp(1) <= 64) || tiles_per_warp(splits) < 12) splits = one_per_sm;
+    if ((one_per_sm == 1 && tiles_per_warp(1, w) <= 64) || tiles_per_warp(splits, w) < 12) splits = one_per_sm;
   }
-  if (p.head_dim == 64 && splits == 1 && pairs < int64_t{sms} * c && tiles_per_warp(2) >= 32 &&
+  if (p.head_dim == 64 && splits == 1 && pairs < int64_t{sms} * c && tiles_per_warp(2, w) >= 32 &&
       splits_for(p.num_kv_heads, w, shape.ctas_per_sm) > 1)
     splits = 2;
   p.num_splits = splits;
@@ -82,20 +82,22 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     if (p.num_kv_heads % d == 0) hpc = d;
   if (hpc == 0) return;
   const int groups = p.num_kv_heads / hpc;
+  // An 8-bit warp walking its head's whole split must walk long enough to pay for the larger merge.
+  const auto walks_long = [&](int s) { return tiles_per_warp(s, 1) >= (splits > 1 ? 48 : 128); };
   int per_warp = 0;
   if (hpc < w) {
-    const int c_h = std::min(kvq::decode_tc_shape(p, hpc).ctas_per_sm, 4);
-    const int s = splits_for(groups, 1, c_h);
-    const bool fills = int64_t{p.batch} * groups * s * 10 >= int64_t{sms} * c_h * 9;  // not held back by the cap
-    if (heads_choice == 2 || (quantized && (hpc >= 3 || p.head_dim == 256) && fills &&
-                              max_tokens / (int64_t{s} * kTile) >= (splits > 1 ? 48 : 128)))
-      per_warp = s;
+    if (heads_choice == 2 || (quantized && (hpc >= 3 || p.head_dim == 256))) {
+      const int c_h = std::min(kvq::decode_tc_shape(p, hpc).ctas_per_sm, 4);
+      const int s = splits_for(groups, 1, c_h);
+      const bool fills = int64_t{p.batch} * groups * s * 10 >= int64_t{sms} * c_h * 9;  // not held back by the cap
+      if (heads_choice == 2 || (fills && walks_long(s))) per_warp = s;
+    }
   } else if (heads_choice == 2) {
     per_warp = splits_for(groups, 1, c);
   } else if (quantized) {
     const int full = splits_for(groups, 1, shape.ctas_per_sm);
-    const int s = max_tokens / (int64_t{full} * kTile) >= 128 ? full : splits_for(groups, 1, c);
-    if (max_tokens / (int64_t{s} * kTile) >= (splits > 1 ? 48 : 128)) per_warp = s;
+    const int s = tiles_per_warp(full, 1) >= 128 ? full : splits_for(groups, 1, c);
+    if (walks_long(s)) per_warp = s;
   } else if (pairs > int64_t{sms} * std::min(shape.ctas_per_sm, 2) &&
              int64_t{p.batch} * groups <= int64_t{sms} * shape.ctas_per_sm) {
     per_warp = splits_for(groups, 1, 1);
