@@ -61,17 +61,20 @@ def test_every_op_has_a_compiled_cuda_kernel(ext):
 
 @pytest.mark.parametrize("setter, names", [("set_decode_kernel", ("auto", "fma", "tc")),
                                            ("set_decode_heads", ("auto", "cta", "warp")),
+                                           ("set_decode_pdl", ("auto", "off")),
                                            ("set_extend_shape", ("auto", "wide", "deep"))])
 def test_kernel_choices_round_trip_and_refuse_unknown_names(ext, setter, names):
     """The knobs the tests and benchmarks use to pin a CUDA kernel: each returns the previous choice, and an
     unknown name is refused with the valid ones in the message (the choice is left unchanged)."""
     choose = getattr(ext, setter)
+    valid = ", ".join(f"'{n}'" for n in names[:-1]) + f" or '{names[-1]}'"
     first = choose(names[1])
     try:
-        assert choose(names[2]) == names[1]
-        with pytest.raises(ValueError, match=f"'{names[0]}', '{names[1]}' or '{names[2]}', got 'bogus'"):
+        assert choose(names[0]) == names[1]
+        assert choose(names[-1]) == names[0]
+        with pytest.raises(ValueError, match=f"{valid}, got 'bogus'"):
             choose("bogus")
-        assert choose(names[1]) == names[2]
+        assert choose(names[1]) == names[-1]
     finally:
         choose(first)
     assert choose(names[0]) == first

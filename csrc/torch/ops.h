@@ -39,6 +39,7 @@ int kvq_set_decode_kernel(int choice);
 // How the tensor-core decode kernel maps kv heads: 0 = by rule (decode.cu), 1 = one per CTA, 2 = one per warp
 // (where they divide into its warps). Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_heads(int choice);
+int kvq_set_decode_pdl(int choice);
 // Which CTA shape serves extend_attention: 0 = by CTA count (extend.cuh's launch_shape), 1 = wide, 2 = deep.
 // Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_shape(int choice);
@@ -87,17 +88,23 @@ inline kvq::Format to_format(at::ScalarType t) {
   return kvq::Format::kSame;
 }
 
-// Multiprocessors of a device (cached; 132 if the query fails): sizes split counts and CTA shapes.
-inline int sm_count(int device) {
+// An attribute of a device, cached (`fallback` if the query fails).
+template <cudaDeviceAttr kAttr>
+inline int device_attribute(int device, int fallback) {
   static int cached[64] = {0};
-  if (device < 0 || device >= 64) return 132;
+  if (device < 0 || device >= 64) return fallback;
   if (cached[device] == 0) {
     int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 132;
+    if (cudaDeviceGetAttribute(&n, kAttr, device) != cudaSuccess || n <= 0) n = fallback;
     cached[device] = n;
   }
   return cached[device];
 }
+
+// Multiprocessors of a device (132 if the query fails): sizes split counts and CTA shapes.
+inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 132); }
+// The major compute capability (8 if the query fails): programmatic dependent launch needs 9 or more.
+inline int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 8); }
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 

@@ -17,14 +17,17 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
 
 static PyObject* cuda_archs(PyObject*, PyObject*) { return PyUnicode_FromString(kvq_cuda_archs()); }
 
-// A choice by name among three, passed to `set` by index; returns the name of the previous choice.
-static PyObject* choose(PyObject* arg, const char* const (&names)[3], int (*set)(int), const char* what) {
+// A choice by name, passed to `set` by index; returns the name of the previous choice.
+template <int N>
+static PyObject* choose(PyObject* arg, const char* const (&names)[N], int (*set)(int), const char* what) {
   const char* want = PyUnicode_AsUTF8(arg);
   if (want == nullptr) return nullptr;
-  for (int i = 0; i < 3; ++i) {
+  std::string valid;
+  for (int i = 0; i < N; ++i) {
     if (std::string(want) == names[i]) return PyUnicode_FromString(names[set(i)]);
+    valid += std::string(i == 0 ? "'" : i == N - 1 ? " or '" : ", '") + names[i] + "'";
   }
-  PyErr_Format(PyExc_ValueError, "%s must be '%s', '%s' or '%s', got '%s'", what, names[0], names[1], names[2], want);
+  PyErr_Format(PyExc_ValueError, "%s must be %s, got '%s'", what, valid.c_str(), want);
   return nullptr;
 }
 
@@ -36,6 +39,11 @@ static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
 static PyObject* set_decode_heads(PyObject*, PyObject* arg) {
   static const char* const names[] = {"auto", "cta", "warp"};
   return choose(arg, names, kvq_set_decode_heads, "decode kv-head mapping");
+}
+
+static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
+  static const char* const names[] = {"auto", "off"};
+  return choose(arg, names, kvq_set_decode_pdl, "decode merge launch");
 }
 
 #ifdef KVQ_HAS_EXTEND
@@ -52,6 +60,9 @@ static PyMethodDef kMethods[] = {
      "Map kv heads of the tensor-core decode kernel: 'auto' (by format and split length), 'cta' (one per CTA) or "
      "'warp' (one per warp, in CTAs of as many warps as the largest divisor of the kv heads up to its warps); returns "
      "the previous."},
+    {"set_decode_pdl", set_decode_pdl, METH_O,
+     "Launch the decode merge as a programmatic dependent of the split kernel: 'auto' (on devices of compute "
+     "capability 9.0 and newer) or 'off'; returns the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by CTA count), 'wide' or 'deep'; returns the previous."},

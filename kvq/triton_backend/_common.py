@@ -130,6 +130,11 @@ def has_e4m3_cvt(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index if device.index is not None else -1) >= (8, 9)
 
 
+def has_pdl(device: torch.device) -> bool:
+    """sm_90 and newer run programmatic dependent launches (griddepcontrol)."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None else -1) >= (9, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(torch.cuda.current_device() if index < 0 else index)

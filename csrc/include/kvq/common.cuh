@@ -127,6 +127,23 @@ __device__ __forceinline__ float nanmax(float a, float b) {
   return r;
 }
 
+// Programmatic dependent launch, for a kernel pair on one stream (a split kernel and its merge). The first
+// lets the second be scheduled once all of its own CTAs run; the second waits, before it reads anything the
+// first wrote, until the first has finished and its writes are visible. The merge's launch and start-up then
+// overlap the split kernel's last CTAs instead of following them. sm_90 and newer have the instructions; the
+// host asks for such a launch only on those devices, and without that request both are no-ops, so the sm_89
+// build (which compiles them out) behaves the same.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ------------------------------------------------------------------------------------ quantize
 // One 32-element block is held by a pair of adjacent lanes (16 elements each). The pair agrees on
 // amax, taken with max.NaN: a NaN anywhere makes it NaN and an inf makes it inf, so one instruction per

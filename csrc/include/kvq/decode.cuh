@@ -43,6 +43,8 @@ struct DecodeParams {
   int num_splits = 1;          // from decode_plan
   int heads_per_cta = 1;       // tensor-core kernel: 1, or its warps per CTA (one kv head per warp)
   float* workspace = nullptr;  // decode_workspace_floats() floats
+  int num_sms = 0;               // of the device: sizes the merge
+  bool dependent_merge = false;  // launch the merge as a programmatic dependent of the split kernel (sm_90+)
 };
 
 namespace detail {
@@ -153,6 +155,7 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
   unsigned char* stage_base = smem + (GMAX * HD + C::kWarps * GMAX * kChunkTokens) * 4 +
                               warp * kStages * C::kStageBytes;
 
+  launch_dependents();
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads;
 
@@ -403,6 +406,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   __shared__ float w_s[kMaxParts];
   __shared__ float o_s[kMergeThreads];
   __shared__ float scratch[kMergeThreads / 32];
+  wait_for_primary();  // the partials are the split kernel's
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
   const auto [ml, acc] = head_partials(p, parts, b, h);
@@ -462,6 +466,7 @@ template <typename O>
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(DecodeParams p, int parts) {
   constexpr int kGroups = kMergeThreads / kMergeCols, kU = kShortMergeParts / kGroups;
   __shared__ float mlo_s[3][kMergeThreads];
+  wait_for_primary();  // the partials are the split kernel's
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
   const auto [ml, acc] = head_partials(p, parts, b, h);
@@ -496,19 +501,28 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
 inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStream_t stream) {
   if (parts > detail::kMaxParts) return cudaErrorInvalidValue;
   return KVQ_DISPATCH_DTYPE(p.dtype, O, {
-    const dim3 grid(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols);
+    cudaLaunchAttribute dependent;
+    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols);
+    cfg.blockDim = dim3(detail::kMergeThreads);
+    cfg.stream = stream;
+    cfg.attrs = &dependent;
+    cfg.numAttrs = p.dependent_merge ? 1 : 0;
     // One pass for 4 to 16 parts: on an H200 it took 3-9% less time at batch 1-8 with 1k-2k tokens, but 2-3%
     // more with 1-3 parts (batch 64), and a one-pass merge over 30-50 parts per thread group 5-8% more.
     // Past 16 parts the first 16 accumulators per thread are loaded early (on an H200, batch 1 with 128k
     // tokens at 32/8 d128: bf16 137.6 -> 135.6 us, q8_0 96.3 -> 94.8, fp8 91.7 -> 90.0); with 1-3 parts
-    // that cost occupancy (14-23% more time at 16/2 d256, batch 64).
+    // that cost occupancy (14-23% more time at 16/2 d256, batch 64). Past 64 parts on a grid of at most one CTA
+    // per SM (batch 1), the first 32 (on an H200, batch 1 with 128k tokens: 32/8 d128 q8_0 85.3 -> 85.0 us, 16/2
+    // d256 50.3 -> 49.5, 9/3 d64 26.3 -> 25.8; on the larger grid of 32/8 d128 at batch 8 with 32k, 1.7% more).
+    const int64_t ctas = int64_t{cfg.gridDim.x} * cfg.gridDim.y * cfg.gridDim.z;
     if (parts >= 4 && parts <= detail::kShortMergeParts)
-      detail::decode_merge_short_kernel<O><<<grid, detail::kMergeThreads, 0, stream>>>(p, parts);
-    else if (parts > detail::kShortMergeParts)
-      detail::decode_merge_kernel<O, 16><<<grid, detail::kMergeThreads, 0, stream>>>(p, parts);
-    else
-      detail::decode_merge_kernel<O, 0><<<grid, detail::kMergeThreads, 0, stream>>>(p, parts);
-    return cudaGetLastError();
+      return cudaLaunchKernelEx(&cfg, detail::decode_merge_short_kernel<O>, p, parts);
+    if (parts > 64 && ctas <= p.num_sms) return cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<O, 32>, p, parts);
+    if (parts > detail::kShortMergeParts) return cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<O, 16>, p, parts);
+    return cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<O, 0>, p, parts);
   });
 }
 

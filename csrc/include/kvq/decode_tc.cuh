@@ -174,6 +174,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   constexpr int kRows = kRows2 ? 2 : 1;
   constexpr int KS = HD / 16;        // k-steps of Q K^T
 
+  launch_dependents();  // the merge, if any (see common.cuh)
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, tig = lane % 4;
