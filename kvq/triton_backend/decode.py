@@ -241,10 +241,10 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
         page, keep = page_of(bt_ptr + b * sbt_b, n, n < stop, num_pages, PAGE_SIZE)
         off = (n % PAGE_SIZE)[:, None]
         k_row = kc_ptr + (page * sk_page + off * (HKV * D) + h * D) + e[None, :]  # [BLOCK_N, 32]
-        v_row = vc_ptr + (page * sv_page + off * (HKV * D) + h * D) + e[None, :]
+        v_base = vc_ptr + (page * sv_page + off * (HKV * D) + h * D)  # [BLOCK_N, 1]
+        v_row = v_base + e[None, :]
         if V_WORDS:  # the same rows as int32 words (head_dim and the page stride are multiples of 32 bytes)
-            v_words = (vc_ptr.to(tl.pointer_type(tl.int32)) + (page * (sv_page // 4) + off * (HKV * D // 4) + h * (D // 4))
-                       + tl.arange(0, 8)[None, :])
+            v_words = v_base.to(tl.pointer_type(tl.int32)) + tl.arange(0, 8)[None, :]
         slot = tl.reshape(page, (BLOCK_N,)) * PAGE_SIZE + n % PAGE_SIZE
         # The scales travel as int32 words of two fp16 (NB is even): [BLOCK_N] vectors of 4-byte elements the
         # pipeliner copies asynchronously and reads back in the layout of their use, so no block's scale needs

@@ -689,6 +689,9 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
     return cudaErrorInvalidValue;                                          \
   }()
 
+// Shared memory of a CTA of n of a split kernel's `own` warps, whose instance takes `smem` (linear in the warps).
+inline int decode_tc_smem(int smem, int own, int n) { return smem / own * n; }
+
 // Calls f(kernel, smem_bytes, warps) with the split kernel instantiated for p (shared memory
 // opt-in done once per kernel and device).
 template <typename F>
@@ -743,7 +746,7 @@ inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
   const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int own) {
     shape.warps = wi > 0 ? std::min(warps, own) : own;
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shape.ctas_per_sm, kernel, shape.warps * 32,
-                                                         smem / own * shape.warps);
+                                                         decode_tc_smem(smem, own, shape.warps));
   });
   if (e != cudaSuccess || shape.ctas_per_sm <= 0) shape.ctas_per_sm = 1;
   if (cacheable) cached[dev][f][t][hd][g][wi] = shape, known[dev][f][t][hd][g][wi] = true;
@@ -769,10 +772,10 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
   return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
     const int hpc = p.heads_per_cta;
     if (hpc < 1 || hpc > warps || p.num_kv_heads % hpc != 0) return cudaErrorInvalidValue;
-    // One kv head per warp: a CTA of hpc warps, and the shared memory of as many (it is linear in the warps).
-    const int threads = (hpc > 1 ? hpc : warps) * 32;
-    kernel<<<dim3(p.num_splits, p.num_kv_heads / hpc, p.batch), threads, smem / warps * (threads / 32), stream>>>(
-        p, FastDivmod(p.page_size));
+    // One kv head per warp: a CTA of hpc warps, and the shared memory of as many.
+    const int cta_warps = hpc > 1 ? hpc : warps;
+    kernel<<<dim3(p.num_splits, p.num_kv_heads / hpc, p.batch), cta_warps * 32, decode_tc_smem(smem, warps, cta_warps),
+             stream>>>(p, FastDivmod(p.page_size));
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || p.num_splits == 1) return e;  // one split wrote the output itself
     return launch_decode_merge(p, p.num_splits, stream);
