@@ -450,15 +450,23 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
 }
 
 // The same combine in one pass, for lists of at most kGroups * 4 parts: each thread folds its (up to four)
-// parts into a running maximum after loading them all, and the groups meet once in shared memory: one global
-// round trip and one barrier, where the kernel above takes two and five.
-__device__ __forceinline__ void merge_into(float& m, float& l, float& o, float mi, float li, float ai) {
-  const float mn = nanmax(m, mi);
-  const float s = m == -INFINITY ? 0.0f : exp2f(m - mn);
-  const float si = mi == -INFINITY ? 0.0f : exp2f(mi - mn);
-  l = l * s + li * si;
-  o = o * s + ai * si;
-  m = mn;
+// parts after loading them all, and the groups meet once in shared memory: one global round trip and one
+// barrier, where the kernel above takes two and five. A fold takes the largest m first and then every weight at
+// once, as the kernel above does, rather than a running maximum, whose rescaling chains one exponential after
+// another. -inf parts weigh 0; a NaN m makes the result NaN.
+template <int N>
+__device__ __forceinline__ void fold(const float (&m)[N], const float (&l)[N], const float (&o)[N], float& mf,
+                                     float& lf, float& of) {
+  mf = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < N; ++i) mf = nanmax(mf, m[i]);
+  lf = 0.0f, of = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float w = (mf == -INFINITY || m[i] == -INFINITY) ? 0.0f : exp2f(m[i] - mf);
+    lf += l[i] * w;
+    of += o[i] * w;
+  }
 }
 constexpr int kShortMergeParts = kMergeThreads / kMergeCols * 4;
 
@@ -480,17 +488,18 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
     li[u] = ok ? ml[2 * i + 1] : 0.0f;
     ai[u] = ok ? acc[static_cast<int64_t>(i) * hd + d] : 0.0f;
   }
-  float m = -INFINITY, l = 0.0f, o = 0.0f;
-#pragma unroll
-  for (int u = 0; u < kU; ++u) merge_into(m, l, o, mi[u], li[u], ai[u]);
+  float m, l, o;
+  fold(mi, li, ai, m, l, o);
   mlo_s[0][tid] = m, mlo_s[1][tid] = l, mlo_s[2][tid] = o;
   __syncthreads();
   if (tid < kMergeCols) {
+    float mg[kGroups], lg[kGroups], og[kGroups];
 #pragma unroll
-    for (int k = 1; k < kGroups; ++k) {
+    for (int k = 0; k < kGroups; ++k) {
       const int j = k * kMergeCols + c;
-      merge_into(m, l, o, mlo_s[0][j], mlo_s[1][j], mlo_s[2][j]);
+      mg[k] = mlo_s[0][j], lg[k] = mlo_s[1][j], og[k] = mlo_s[2][j];
     }
+    fold(mg, lg, og, m, l, o);
     static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(normalized(o, l));
   }
 }
