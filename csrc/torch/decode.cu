@@ -202,7 +202,7 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
                             query.options().dtype(at::kFloat));
   p.workspace = ws.data_ptr<float>();
   // The merge as a programmatic dependent of the split kernel (compute capability 9.0 and newer; common.cuh). On an
-  // H200, against plain stream order in one build (32/8 d128, 16/2 d256, 9/3 d64; q8_0 and bf16): 5-11% less time
+  // H200, against plain stream order in one build (32/8 d128, 16/2 d256, 9/3 d64; q8_0 and bf16): 6-11% less time
   // at batch 1 with 1k-4k tokens, 1-4% with 32k-128k; at batch 8 with 1k 1-10% less (bf16 at 32/8 heads 0.8%
   // more); batch 8 with 32k and batch 64 within 0.3%. Outputs equal to the bit.
   p.dependent_merge = g_decode_pdl.load() == 0 && compute_major(dev.index()) >= 9;
