@@ -21,6 +21,7 @@ def _info(argv) -> int:
     print(f"GPU: {i['gpu'] or 'none'}" + (f" ({i['gpu_arch']})" if i["gpu_arch"] else ""))
     print(f"kvq._C compiled for: {', '.join('sm_' + a.replace('.', '') for a in i['compiled_archs']) or '-'}")
     print(f"torch {i['torch']} (CUDA {i['torch_cuda'] or 'none'}), triton {i['triton'] or 'not installed'}")
+    print(f"kvq source digest: {i['source']} (benchmark results record it)")
     return 0 if i["error"] is None else 1
 
 

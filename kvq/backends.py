@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -114,6 +116,22 @@ def available() -> list[str]:
     return [n for n in NAMES if n not in reasons]
 
 
+def source_digest(root: Optional[Path] = None) -> str:
+    """The first 12 hex digits of a SHA-256 over kvq's sources as they are on disk, each with its path: the
+    package's ``.py`` files and, in a checkout, ``csrc/`` and ``setup.py``. It names the code that ran where git
+    cannot (a copied tree, uncommitted changes): a benchmark records it, and ``python -m kvq info`` prints it
+    for a checkout to compare."""
+    root = Path(__file__).resolve().parents[1] if root is None else Path(root)
+    files = [f for f in (root / "kvq").rglob("*.py") if "__pycache__" not in f.parts]
+    if (root / "csrc").is_dir():
+        files += [f for f in (root / "csrc").rglob("*") if f.suffix in (".cu", ".cuh", ".cpp", ".h", ".py")]
+        files += [root / "setup.py"] if (root / "setup.py").is_file() else []
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def info() -> dict:
     sel = selection()
     arch = _gpu_arch()
@@ -128,6 +146,7 @@ def info() -> dict:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "triton": None,
+        "source": source_digest(),
     }
     if importlib.util.find_spec("triton") is not None:
         import triton
@@ -142,8 +161,7 @@ def pinned_cuda_kernel(setter: str, choice: str):
     ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp": kv heads of the
     tensor-core decode per CTA or per warp), ``"set_decode_pdl"`` ("auto", "off": the decode merge launched as a
     programmatic dependent of the split kernel where the device can) or ``"set_extend_shape"`` ("auto", "wide",
-    "deep"). For
-    tests and benchmarks, which must reach every kernel whatever shape the rules would pick by."""
+    "deep"). For tests and benchmarks, which must reach every kernel whatever shape the rules would pick by."""
     from kvq import _C
 
     prev = getattr(_C, setter)(choice)

@@ -1049,7 +1049,8 @@ def report_markdown(env, copy, rows, bars, notes, first_calls, elapsed, written)
         f"- driver: {env['nvidia_smi'] or 'nvidia-smi not found'}; CUDA driver API {env.get('cuda_driver_api')}",
         f"- torch {env['torch']} (CUDA {env['torch_cuda']}, cuDNN {env['cudnn']}), triton {env['triton']}, "
         f"python {env['python']}",
-        f"- kvq commit: {env['kvq_commit'] or 'not a git checkout'}; active backend: {info['backend']}; "
+        f"- kvq commit: {env['kvq_commit'] or 'not a git checkout'}; source digest: {info.get('source', '-')} "
+        f"(`python -m kvq info` prints a checkout's); active backend: {info['backend']}; "
         f"unavailable: {info['unavailable'] or 'none'}",
         f"- copy bandwidth (device-to-device copy_ of {copy['bytes'] / 2 / GiB:.0f} GiB, read + written): "
         f"**{copy['bandwidth'] / 1e9:.0f} GB/s** (the ceiling for every floor; a read-only sum reaches "

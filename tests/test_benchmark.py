@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -201,3 +203,28 @@ def test_bench_without_gpu_exits_with_a_message():
 
 def test_cli_rejects_unknown_ops():
     assert kb.main(["--ops", "decode,bogus"]) == 2
+
+
+def test_source_digest_names_the_code_on_disk(tmp_path):
+    """The digest a benchmark records: equal for a copy of the sources, different once a kernel file, a Python
+    file or a path changes, and blind to what is not source (a build product, bytecode)."""
+    import shutil
+
+    from kvq import backends
+
+    repo = Path(backends.__file__).resolve().parents[1]
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
+    for name in ("kvq", "csrc"):
+        shutil.copytree(repo / name, tmp_path / name, ignore=ignore)
+    shutil.copy(repo / "setup.py", tmp_path / "setup.py")
+    digest = backends.source_digest(tmp_path)
+    assert digest == backends.source_digest(repo) == backends.info()["source"] and len(digest) == 12
+    (tmp_path / "kvq" / "_C.abi3.so").write_bytes(b"not source")
+    assert backends.source_digest(tmp_path) == digest
+    kernel = tmp_path / "csrc" / "include" / "kvq" / "decode.cuh"
+    kernel.write_bytes(kernel.read_bytes() + b" ")
+    assert backends.source_digest(tmp_path) != digest
+    kernel.write_bytes(kernel.read_bytes()[:-1])
+    assert backends.source_digest(tmp_path) == digest
+    (tmp_path / "kvq" / "ops.py").rename(tmp_path / "kvq" / "ops2.py")
+    assert backends.source_digest(tmp_path) != digest
