@@ -382,6 +382,12 @@ constexpr int kMergeCols = 64;  // output columns per merge CTA; head_dim is a m
 // The merge kernels and a single-split tensor-core CTA all end here, so that they agree to the bit.
 __device__ __forceinline__ float normalized(float o, float l) { return l == 0.0f ? 0.0f : o / l; }
 
+// The weight of a partial whose maximum is m in a combine whose maximum is mx: 0 for a part that saw no key
+// (m = -inf) and where no part did (mx = -inf); a NaN m stays NaN.
+__device__ __forceinline__ float part_weight(float m, float mx) {
+  return (mx == -INFINITY || m == -INFINITY) ? 0.0f : exp2f(m - mx);
+}
+
 // The partials of query head h of sequence b: its (m, l) pairs and its accumulator rows.
 struct HeadPartials {
   const float* ml;
@@ -424,8 +430,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   mx = block_reduce(mx, -INFINITY, [](float a, float b) { return nanmax(a, b); }, scratch);
   float lsum = 0.0f;
   for (int i = tid; i < parts; i += kMergeThreads) {
-    const float mi = ml[2 * i];
-    const float w = (mx == -INFINITY || mi == -INFINITY) ? 0.0f : exp2f(mi - mx);  // NaN stays NaN
+    const float w = part_weight(ml[2 * i], mx);
     w_s[i] = w;
     lsum += ml[2 * i + 1] * w;
   }
@@ -463,7 +468,7 @@ __device__ __forceinline__ void fold(const float (&m)[N], const float (&l)[N], c
   lf = 0.0f, of = 0.0f;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float w = (mf == -INFINITY || m[i] == -INFINITY) ? 0.0f : exp2f(m[i] - mf);
+    const float w = part_weight(m[i], mf);
     lf += l[i] * w;
     of += o[i] * w;
   }
