@@ -121,6 +121,21 @@ def test_store_single_token(backend, fmt):
     _assert_same_bytes(got, want)
 
 
+def test_store_triton_grid_takes_64_bit_indices_past_int32():
+    """The Triton store and gather index blocks by one flat (token, block) counter: the grid covers every block
+    exactly, and 64-bit counters are asked for whenever a program's counter could pass 2^31 - 1 (and not for
+    ordinary sizes, which keep the cheaper 32-bit arithmetic)."""
+    from kvq.triton_backend.store import _BLOCKS, _launch
+    for t, nbt in ((1, 6), (1000, 6), (262144, 32), (2 ** 31 // 6 - 100, 6), (2 ** 26 - 1, 32), (2 ** 26, 32),
+                   (2 ** 31 // 6 + 1, 6), (2 ** 33, 8)):
+        (programs,), wide = _launch(t, nbt)
+        assert (programs - 1) * _BLOCKS < t * nbt <= programs * _BLOCKS
+        if programs * _BLOCKS - 1 > 2 ** 31 - 1:
+            assert wide, (t, nbt)
+        if t * nbt <= 2 ** 30:
+            assert not wide, (t, nbt)
+
+
 def test_store_triton_skips_out_of_range_slots():
     """The Triton kernels run without index checks: a slot outside the cache is skipped like -1."""
     ops = backend_ops("triton")
