@@ -93,6 +93,13 @@ def _quantize_exact(xf, inv, FMT: tl.constexpr):
 
 
 @triton.jit
+def _cells(c_ptr, page_stride, page, off, hb, el, NBT: tl.constexpr):
+    """Pointers to blocks ``hb`` of row ``off`` of ``page`` in a cache plane whose rows hold ``NBT`` blocks of 32
+    elements; the page stride may be anything (a view)."""
+    return c_ptr + page * page_stride + off * (NBT * 32) + hb * 32 + el
+
+
+@triton.jit
 def _load_rows(x_ptr, sx_t, sx_h, tok, hb, el, mask, NB: tl.constexpr):
     """Blocks ``[BLOCKS, 32]`` of rows: ``tok, hb [BLOCKS, 1]`` the token and the flat (head, 32-element block)
     index within it, ``el [1, 32]``; ``mask [BLOCKS, 1]``."""
@@ -130,7 +137,7 @@ def _store_codes(xf, dsc, inv, finite, c_ptr, sc_page, s_ptr, slot, page, off, h
                                           is_pure=True, pack=4)
     else:
         q = tl.where(finite, _quantize_exact(xf, inv, FMT), 0).to(CT)
-    tl.store(c_ptr + page * sc_page + off * (NBT * 32) + hb * 32 + el, q, mask=mask)
+    tl.store(_cells(c_ptr, sc_page, page, off, hb, el, NBT), q, mask=mask)
     sbits = tl.where(finite, dsc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32),
                      0x7E00)  # the canonical fp16 NaN
     tl.store(s_ptr + slot * NBT + hb, sbits.to(tl.int16), mask=mask)
@@ -167,9 +174,9 @@ def _store_kernel(k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
     if FMT == 0:
         # A plain copy keeps K's load and store before V's: the order the CUDA copy measured faster.
         x = _load_rows(k_ptr, sk_t, sk_h, tok, hb, el, mask, NB)
-        tl.store(kc_ptr + page * skc_page + off * (NBT * 32) + hb * 32 + el, x.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(_cells(kc_ptr, skc_page, page, off, hb, el, NBT), x.to(kc_ptr.dtype.element_ty), mask=mask)
         x = _load_rows(v_ptr, sv_t, sv_h, tok, hb, el, mask, NB)
-        tl.store(vc_ptr + page * svc_page + off * (NBT * 32) + hb * 32 + el, x.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(_cells(vc_ptr, svc_page, page, off, hb, el, NBT), x.to(vc_ptr.dtype.element_ty), mask=mask)
     else:
         # Both tensors are loaded before either is stored: a load may not move above a store that might alias
         # it, so K's stores would otherwise hold V's loads back by a round trip.
@@ -225,7 +232,7 @@ def _dequant_kernel(c_ptr, sc_page, s_ptr, slot_ptr, num_tokens, num_slots, out_
                     FMT: tl.constexpr, INTERP: tl.constexpr):
     tok, hb, slot, page, off, keep = _blocks(slot_ptr, num_tokens, num_slots, PAGE_SIZE, NBT, BLOCKS, WIDE)
     el = tl.arange(0, 32)[None, :]
-    raw = tl.load(c_ptr + page * sc_page + off * (NBT * 32) + hb * 32 + el, mask=keep, other=0)
+    raw = tl.load(_cells(c_ptr, sc_page, page, off, hb, el, NBT), mask=keep, other=0)
     if FMT == 0:
         x = raw.to(tl.float32)
     else:
