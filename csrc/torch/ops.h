@@ -39,6 +39,8 @@ int kvq_set_decode_kernel(int choice);
 // How the tensor-core decode kernel maps kv heads: 0 = by rule (decode.cu), 1 = one per CTA, 2 = one per warp
 // (where they divide into its warps). Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_heads(int choice);
+// How the decode merge is launched: 0 = as a programmatic dependent launch where the device can (compute
+// capability 9.0 and newer), 1 = never (plain stream order). Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_pdl(int choice);
 // Which CTA shape serves extend_attention: 0 = by CTA count (extend.cuh's launch_shape), 1 = wide, 2 = deep.
 // Returns the previous choice; for benchmarks and tests.
