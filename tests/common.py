@@ -82,7 +82,7 @@ def backend_ops(name: str):
     ``cuda-warp`` with the tensor-core decode kernel mapping one kv head per warp (the rule does so only for
     8-bit caches whose splits are long enough; where the kv heads do not divide into its warps, in CTAs of fewer
     warps: three at 9/3 heads, two at 16/2; a prime number of kv heads above four keeps one per CTA);
-    ``cuda-wide`` / ``cuda-deep`` with the extend kernel held to one CTA shape (the rule picks by CTA count,
+    ``cuda-wide`` / ``cuda-deep`` / ``cuda-tall`` with the extend kernel held to one CTA shape (the rule picks by CTA count,
     so small test shapes would otherwise only reach one).
     """
     import pytest
@@ -95,7 +95,7 @@ def backend_ops(name: str):
         from kvq import triton_backend
 
         return triton_backend
-    if name in ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep"):
+    if name in ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall"):
         if backends.selection().active != "cuda":
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
         if name == "cuda":

@@ -25,9 +25,9 @@ DEV = "cuda"
 RAGGED = [(0, 1), (17, 2), (64, 31), (0, 32), (5, 33), (100, 63), (1, 64), (300, 65), (33, 130), (0, 0), (40, 3)]
 
 
-@pytest.fixture(autouse=True, params=["auto", "wide", "deep"])
+@pytest.fixture(autouse=True, params=["auto", "wide", "deep", "tall"])
 def _cuda_active(request):
-    """Every test runs with the CTA shape picked by the rule, and held to each of the two shapes."""
+    """Every test runs with the CTA shape picked by the rule, and held to each of the three shapes."""
     if backends.selection().active != "cuda":
         pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
     with backends.pinned_cuda_kernel("set_extend_shape", request.param):

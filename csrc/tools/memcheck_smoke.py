@@ -1,4 +1,4 @@
-"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels and both
+"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels and all three
 extend CTA shapes.
 
     compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py      # out-of-range slots and pages
@@ -62,7 +62,7 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         qx = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
         kx, vx = torch.randn(2, t, hkv, d, dtype=torch.bfloat16, device=dev).unbind(0)
         outx = torch.empty_like(qx)
-        for shape in ("wide", "deep"):
+        for shape in ("wide", "deep", "tall"):
             with pinned("set_extend_shape", shape):
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)

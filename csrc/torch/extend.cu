@@ -106,6 +106,7 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   p.format = to_format(k_cache.scalar_type());
   p.dtype = to_dtype(dtype);
   p.num_sms = sm_count(dev.index());
+  p.max_smem = smem_optin(dev.index());
   p.shape = g_extend_shape.load();
 
   const cudaError_t e = kvq::extend_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());

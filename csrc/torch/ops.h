@@ -42,7 +42,8 @@ int kvq_set_decode_heads(int choice);
 // How the decode merge is launched: 0 = as a programmatic dependent launch where the device can (compute
 // capability 9.0 and newer), 1 = never (plain stream order). Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_pdl(int choice);
-// Which CTA shape serves extend_attention: 0 = by CTA count (extend.cuh's launch_shape), 1 = wide, 2 = deep.
+// Which CTA shape serves extend_attention: 0 = by estimated time (extend.cuh's launch_shape), 1 = wide, 2 = deep,
+// 3 = tall (8-bit caches where the device's shared memory holds it, else wide).
 // Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_shape(int choice);
 
@@ -105,6 +106,10 @@ inline int device_attribute(int device, int fallback) {
 
 // Multiprocessors of a device (132 if the query fails): sizes split counts and CTA shapes.
 inline int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 132); }
+// Shared memory a CTA may opt in to, bytes (that of sm_89 and sm_120 if the query fails).
+inline int smem_optin(int device) {
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 99 * 1024);
+}
 // The major compute capability (8 if the query fails): programmatic dependent launch needs 9 or more.
 inline int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 8); }
 

@@ -48,7 +48,7 @@ static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
 
 #ifdef KVQ_HAS_EXTEND
 static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "wide", "deep"};
+  static const char* const names[] = {"auto", "wide", "deep", "tall"};
   return choose(arg, names, kvq_set_extend_shape, "extend CTA shape");
 }
 #endif
@@ -65,7 +65,8 @@ static PyMethodDef kMethods[] = {
      "capability 9.0 and newer) or 'off'; returns the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
-     "Choose the CTA shape of the CUDA extend kernel: 'auto' (by CTA count), 'wide' or 'deep'; returns the previous."},
+     "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' or "
+     "'tall' (8-bit caches where the device's shared memory holds it, else wide); returns the previous."},
 #endif
     {"cuda_archs", cuda_archs, METH_NOARGS, "The CUDA architectures compiled in, e.g. '8.9;9.0;12.0'."},
     {nullptr, nullptr, 0, nullptr},

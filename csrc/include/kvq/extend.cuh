@@ -7,12 +7,12 @@
 // pages) and to the new keys of its own sequence (exact, query dtype); causal keeps keys at positions
 // <= its own, a window keeps keys at positions >= p - window_left, softcap maps s to cap * tanh(s / cap).
 //
-// Work split. A CTA owns BLOCK_M = 128 rows (64 at head_dim 256), where a "row" is one (token, q head)
-// pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each other, so every K/V
-// tile read (and dequantized) once serves all G heads. Two CTA shapes: "wide", 4 warps of 32 rows (two
-// m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas) and "deep", 8 warps of 16 rows
-// (more warps to hide latency when there are too few CTAs for two per SM); launch_shape picks by CTA
-// count. Sequence b owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid
+// Work split. A CTA owns BLOCK_M = 128 rows (64 at head_dim 256, 256 for "tall"), where a "row" is one
+// (token, q head) pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each other, so
+// every K/V tile read (and dequantized) once serves all G heads. Three CTA shapes: "wide", 4 warps of 32 rows
+// (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas), "deep", 8 warps of 16 rows
+// (more warps to hide latency when there are too few CTAs for two per SM) and, for 8-bit caches, "tall", 8
+// warps of 32 rows (each dequantized tile serves 256 rows); launch_shape picks by estimated time. Sequence b owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid
 // (cdiv(total * G, BLOCK_M) + B, Hkv) depends on shapes only, and each CTA finds its sequence by binary
 // search, so the launch is CUDA-graph capturable.
 //
@@ -55,8 +55,9 @@ struct ExtendParams {
   const int32_t* prefix_lens = nullptr;   // [batch], tokens already in the cache
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], new tokens of sequence b: [cu[b], cu[b + 1])
   int batch = 0, total_q = 0, num_q_heads = 0;
-  int num_sms = 1;  // of the device: picks the CTA shape
-  int shape = 0;    // CTA shape: 0 by the rule below, 1 wide, 2 deep
+  int num_sms = 1;                // of the device: picks the CTA shape
+  int max_smem = 99 * 1024;       // opt-in shared memory per CTA of the device, bytes: may rule out "tall"
+  int shape = 0;                  // CTA shape: 0 by the rule below, 1 wide, 2 deep, 3 tall (8-bit only, else wide)
   float sm_scale = 1.0f;
   bool causal = true;
   int window_left = -1;      // -1: none
@@ -81,6 +82,11 @@ struct Cfg {
 // two stages fit the 99 KB of shared memory of sm_89 and sm_120.
 template <typename S, int D>
 using WideCfg = Cfg<D, D == 64 ? 64 : (D == 256 && StorageTraits<S>::kQuantized ? 16 : 32), D <= 128 ? 2 : 1, 4>;
+// The "tall" CTA (head_dim <= 128): 8 warps of two m-tiles, 256 rows, so a dequantized 8-bit tile serves twice
+// the rows of the others. Its Q tile takes 64 KB at d128; with 32-key tiles an 8-bit cache then needs 105 KB,
+// more than sm_89 and sm_120 have (16-key tiles fit, but cost 30% over bf16 on an H200), so there it is not used.
+template <int D>
+using TallCfg = Cfg<D, D == 64 ? 64 : 32, 2, 8>;
 
 // Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
 // words, each written and read back by the same thread; two tiles' worth of page numbers. A CTA of one
@@ -177,6 +183,7 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
   // Rows in T: 16-byte chunks, kCpr per row.
   {
     constexpr int kCpr = D / 8, kRpp = kThreads / kCpr;
+    static_assert(BN % kRpp == 0 && BN % (kThreads / (D / 16)) == 0, "every thread copies whole rows of a tile");
     const int c = tid % kCpr;
 #pragma unroll
     for (int it = 0; it < BN / kRpp; ++it) {
@@ -587,7 +594,12 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 template <typename T, typename S, typename C>
 __global__ void __launch_bounds__(C::kThreads) extend_kernel(const __grid_constant__ ExtendParams p,
                                                              const __grid_constant__ FastDivmod pdm) {
-  extend_body<T, S, C>(p, pdm);
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+  if constexpr (!Smem<S, C>::kFits) {  // never launched there (launch_shape checks max_smem); no code for it
+    __trap();
+  } else
+#endif
+    extend_body<T, S, C>(p, pdm);
 }
 
 template <typename T, typename S, typename C>
@@ -596,7 +608,7 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   constexpr int BM = C::kBlockM;
   const int64_t blocks = (int64_t(p.total_q) * G + BM - 1) / BM + p.batch;
   if (blocks > 0x7fffffff || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
-  static_assert(Smem<S, C>::kFits, "extend: a CTA must fit the shared memory of sm_89 and sm_120");
+  static_assert(Smem<S, C>::kBytes <= 227 * 1024, "extend: a CTA must fit the shared memory of sm_90");
   constexpr size_t smem = Smem<S, C>::kBytes;
   cudaError_t err =
       cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
@@ -606,20 +618,63 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Two shapes of CTA, both of 128 rows for head_dim <= 128: "wide" (4 warps of two m-tiles; fewer shared
-// memory reads per mma, two CTAs per SM) and "deep" (8 warps of one m-tile, Q in registers, 64-key tiles;
-// twice the warps to hide latency). With fewer CTAs than two per SM (short chunks, few heads) deep wins: on
-// an H200, 512 new tokens over an 8k prefix (32/8 heads, d128) took 334 us deep and 594 us wide; with 4x the
-// CTAs wide wins (and with its 64-key 8-bit tiles deep still lost 2-6% at 2048 over 32k and 8192 over 4k).
+// CTAs of one instance resident on an SM of the current device (occupancy API, once per device).
+template <typename T, typename S, typename C>
+int resident_ctas() {
+  static int cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
+  if (cached[dev] == 0) {
+    constexpr int smem = int(Smem<S, C>::kBytes);
+    int n = 0;
+    if (cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, extend_kernel<T, S, C>, C::kThreads, smem) != cudaSuccess ||
+        n <= 0)
+      n = 1;
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+// Three shapes of CTA for head_dim <= 128: "wide" (4 warps of two m-tiles, 128 rows: fewer shared memory reads
+// per mma than deep, two CTAs per H200 SM), "deep" (8 warps of one m-tile, 128 rows, Q in registers, 64-key
+// tiles) and, for 8-bit caches, "tall" (8 warps of two m-tiles, 256 rows, one CTA per SM), which dequantizes
+// each tile once per 256 rows instead of 128. The launcher takes the shape of least estimated time: waves of
+// CTAs (CTAs with rows to do, over resident CTAs x SMs, rounded up) x the rows an SM holds in a wave x a cost
+// per row of the shape. The costs are times per row with every SM full, measured on an H200 at 1024 new tokens
+// over a 32k prefix (32/8 heads, d128), where tall and wide take one wave and deep two: 8-bit tall 2300 us,
+// wide 2675, deep 2943; bf16 wide 2272, deep 2366. Rounding waves up is what the rule is for: at 1536 new
+// tokens deep's three waves beat two of wide (bf16 3535 against 4461 us) or of tall (q8_0 4383 against 4589).
+// Tall does not serve bf16/fp16 caches: without a dequantization to share it won 2-5% over a long prefix but
+// lost up to 11% in a plain prefill (2048 tokens), and the launcher cannot see that a prefix is empty.
 template <typename T, typename S, int D>
 cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
   using Wide = WideCfg<S, D>;
   if constexpr (D <= 128) {
     using Deep = Cfg<D, 64, 1, 8>;
+    using Tall = TallCfg<D>;
+    constexpr bool kQuant = StorageTraits<S>::kQuantized;
     static_assert(Deep::kBlockM == Wide::kBlockM, "the same rows per CTA");
     const int64_t G = p.num_q_heads / p.num_kv_heads;
-    const int64_t ctas = ((int64_t(p.total_q) * G + Wide::kBlockM - 1) / Wide::kBlockM + p.batch) * p.num_kv_heads;
-    if (p.shape == 2 || (p.shape == 0 && ctas < 2 * int64_t(p.num_sms))) return launch<T, S, Deep>(p, stream);
+    const bool tall_ok = kQuant && Smem<S, Tall>::kBytes <= size_t(p.max_smem);
+    auto cost = [&](int64_t rows, int resident, double per_row) {
+      const int64_t ctas = ((int64_t(p.total_q) * G + rows - 1) / rows + p.batch - 1) * p.num_kv_heads;
+      const int64_t slots = int64_t(resident) * p.num_sms;
+      return double((ctas + slots - 1) / slots) * double(resident * rows) * per_row;
+    };
+    double wide = 0, deep = 0;
+    if (p.shape == 0) {
+      wide = cost(Wide::kBlockM, resident_ctas<T, S, Wide>(), kQuant ? 2675.0 / 2300 : 1.0);
+      deep = cost(Deep::kBlockM, resident_ctas<T, S, Deep>(), kQuant ? 2943.0 / 2300 : 2366.0 / 2272);
+    }
+    if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
+      if (tall_ok && p.shape == 3) return launch<T, S, Tall>(p, stream);
+      if (tall_ok && p.shape == 0) {
+        const double tall = cost(Tall::kBlockM, resident_ctas<T, S, Tall>(), 1.0);
+        if (tall <= wide && tall <= deep) return launch<T, S, Tall>(p, stream);
+      }
+    }
+    if (p.shape == 2 || (p.shape == 0 && deep < wide)) return launch<T, S, Deep>(p, stream);
   }
   return launch<T, S, Wide>(p, stream);
 }
