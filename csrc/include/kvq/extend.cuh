@@ -642,11 +642,20 @@ int resident_ctas() {
 // each tile once per 256 rows instead of 128. The launcher takes the shape of least estimated time: waves of
 // CTAs (CTAs with rows to do, over resident CTAs x SMs, rounded up) x the rows an SM holds in a wave x a cost
 // per row of the shape. The costs are times per row with every SM full, measured on an H200 at 1024 new tokens
-// over a 32k prefix (32/8 heads, d128), where tall and wide take one wave and deep two: 8-bit tall 2300 us,
-// wide 2675, deep 2943; bf16 wide 2272, deep 2366. Rounding waves up is what the rule is for: at 1536 new
-// tokens deep's three waves beat two of wide (bf16 3535 against 4461 us) or of tall (q8_0 4383 against 4589).
+// over a 32k prefix (32/8 heads), where tall and wide take one wave and deep two: at d128 8-bit tall 2300 us,
+// wide 2675, deep 2943, bf16 wide 2272, deep 2366; at d64 8-bit tall 1249, wide 1435, deep 1955, bf16 wide
+// 1304, deep 1580. Rounding waves up is what the rule is for: at 1536 new tokens (d128) deep's three waves beat
+// two of wide (bf16 3535 against 4461 us) or of tall (q8_0 4383 against 4589).
 // Tall does not serve bf16/fp16 caches: without a dequantization to share it won 2-5% over a long prefix but
 // lost up to 11% in a plain prefill (2048 tokens), and the launcher cannot see that a prefix is empty.
+struct ShapeCosts {
+  double wide, deep;  // per row, relative to tall (8-bit) or wide (bf16/fp16)
+};
+template <bool kQuant, int D>
+constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249, 1955.0 / 1249}
+                                                     : ShapeCosts{2675.0 / 2300, 2943.0 / 2300})
+                                          : (D == 64 ? ShapeCosts{1.0, 1580.0 / 1304} : ShapeCosts{1.0, 2366.0 / 2272});
+
 template <typename T, typename S, int D>
 cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
   using Wide = WideCfg<S, D>;
@@ -664,8 +673,8 @@ cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
     };
     double wide = 0, deep = 0;
     if (p.shape == 0) {
-      wide = cost(Wide::kBlockM, resident_ctas<T, S, Wide>(), kQuant ? 2675.0 / 2300 : 1.0);
-      deep = cost(Deep::kBlockM, resident_ctas<T, S, Deep>(), kQuant ? 2943.0 / 2300 : 2366.0 / 2272);
+      wide = cost(Wide::kBlockM, resident_ctas<T, S, Wide>(), kShapeCosts<kQuant, D>.wide);
+      deep = cost(Deep::kBlockM, resident_ctas<T, S, Deep>(), kShapeCosts<kQuant, D>.deep);
     }
     if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
       if (tall_ok && p.shape == 3) return launch<T, S, Tall>(p, stream);
