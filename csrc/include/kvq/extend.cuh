@@ -12,9 +12,10 @@
 // every K/V tile read (and dequantized) once serves all G heads. Three CTA shapes: "wide", 4 warps of 32 rows
 // (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas), "deep", 8 warps of 16 rows
 // (more warps to hide latency when there are too few CTAs for two per SM) and, for 8-bit caches, "tall", 8
-// warps of 32 rows (each dequantized tile serves 256 rows); launch_shape picks by estimated time. Sequence b owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid
-// (cdiv(total * G, BLOCK_M) + B, Hkv) depends on shapes only, and each CTA finds its sequence by binary
-// search, so the launch is CUDA-graph capturable.
+// warps of 32 rows (each dequantized tile serves 256 rows); launch_shape picks by estimated time. Sequence b
+// owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (cdiv(total * G, BLOCK_M) + B,
+// Hkv) depends on shapes only, and each CTA finds its sequence by binary search, so the launch is CUDA-graph
+// capturable.
 //
 // Pipeline: two stages of K/V tiles (BLOCK_N keys) in shared memory, one barrier per tile. While tile j
 // is computed (S = Q K^T, online softmax, O += P V) the copies of tile j + 1 are in flight: rows in the
@@ -627,9 +628,9 @@ int resident_ctas() {
   if (cached[dev] == 0) {
     constexpr int smem = int(Smem<S, C>::kBytes);
     int n = 0;
-    if (cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, extend_kernel<T, S, C>, C::kThreads, smem) != cudaSuccess ||
-        n <= 0)
+    const auto kernel = extend_kernel<T, S, C>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, C::kThreads, smem) != cudaSuccess || n <= 0)
       n = 1;
     cached[dev] = n;
   }
