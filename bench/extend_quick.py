@@ -3,7 +3,7 @@
 Prints the median time (triton.testing.do_bench) of kvq's extend with a bf16, q8_0 and fp8_e4m3 prefix, the
 8-bit / bf16 ratio (target <= 1.1), and torch SDPA (flash) on bf16 with the same causal (bottom-right) mask
 over contiguous K/V for context.
-``python bench/extend_quick.py [--new N] [--prefix N] [--page-size N] [--dtype bf16|fp16] [--shape wide|deep]``
+``python bench/extend_quick.py [--new N] [--prefix N] [--page-size N] [--dtype bf16|fp16] [--shape wide|deep|tall]``
 """
 
 import argparse
@@ -30,8 +30,8 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="model (query and new K/V) dtype")
-    ap.add_argument("--shape", choices=["auto", "wide", "deep"], default="auto",
-                    help="CTA shape of the CUDA extend kernel (auto: the launcher's rule by CTA count)")
+    ap.add_argument("--shape", choices=["auto", "wide", "deep", "tall"], default="auto",
+                    help="CTA shape of the CUDA extend kernel (auto: the launcher's estimate; tall: 8-bit caches only)")
     a = ap.parse_args()
     print(f"backend: {backends.selection().active}; {torch.cuda.get_device_name()}; new {a.new}, prefix {a.prefix}, "
           f"heads {a.hq}/{a.hkv}, d {a.d}, page {a.page_size}, {a.dtype}, CTA shape {a.shape}")
