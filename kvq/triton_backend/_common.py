@@ -127,12 +127,16 @@ _I8_TO_F16 = tl.constexpr("{\n.reg .b32 t, m;\n" + i8x4_to_f16x2_ptx("$2", "$0",
 
 def has_e4m3_cvt(device: torch.device) -> bool:
     """sm_89 and newer convert e4m3 pairs to fp16 in one instruction; older GPUs take the bit path."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None else -1) >= (8, 9)
+    return _at_least(device, (8, 9))
 
 
 def has_pdl(device: torch.device) -> bool:
     """sm_90 and newer run programmatic dependent launches (griddepcontrol)."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None else -1) >= (9, 0)
+    return _at_least(device, (9, 0))
+
+
+def _at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    return device.type == "cuda" and _capability(device.index if device.index is not None else -1) >= capability
 
 
 @functools.lru_cache(maxsize=None)
