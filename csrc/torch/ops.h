@@ -37,7 +37,8 @@ at::Tensor dequantize_cuda(const at::Tensor& cache, const std::optional<at::Tens
 // kernel, 2 = the tensor-core kernel. Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_kernel(int choice);
 // How the tensor-core decode kernel maps kv heads: 0 = by rule (decode.cu), 1 = one per CTA, 2 = one per warp
-// (where they divide into its warps). Returns the previous choice; for benchmarks and tests.
+// (in CTAs of as many warps as the largest divisor of the kv heads up to its warps). Returns the previous choice;
+// for benchmarks and tests.
 int kvq_set_decode_heads(int choice);
 // How the decode merge is launched: 0 = as a programmatic dependent launch where the device can (compute
 // capability 9.0 and newer), 1 = never (plain stream order). Returns the previous choice; for benchmarks and tests.
