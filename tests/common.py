@@ -83,7 +83,8 @@ def backend_ops(name: str):
     8-bit caches whose splits are long enough; where the kv heads do not divide into its warps, in CTAs of fewer
     warps: three at 9/3 heads, two at 16/2; a prime number of kv heads above four keeps one per CTA);
     ``cuda-wide`` / ``cuda-deep`` / ``cuda-tall`` with the extend kernel held to one CTA shape (the rule picks by
-    estimated time, so small test shapes would otherwise only reach one).
+    estimated time, so small test shapes would otherwise only reach one); ``cuda-split`` with the keys of each
+    extend row block split over three CTAs and merged (the rule splits only long prefixes).
     """
     import pytest
 
@@ -95,7 +96,7 @@ def backend_ops(name: str):
         from kvq import triton_backend
 
         return triton_backend
-    if name in ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall"):
+    if name in ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-split"):
         if backends.selection().active != "cuda":
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
         if name == "cuda":
@@ -104,6 +105,8 @@ def backend_ops(name: str):
             return _Pinned("decode_attention", "set_decode_kernel", "fma")
         if name == "cuda-warp":
             return _Pinned("decode_attention", "set_decode_heads", "warp")
+        if name == "cuda-split":
+            return _Pinned("extend_attention", "set_extend_splits", "3")
         return _Pinned("extend_attention", "set_extend_shape", name.split("-")[1])
     raise ValueError(name)
 

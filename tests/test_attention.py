@@ -22,7 +22,7 @@ from common import FORMATS, backend_ops, cache_dtype, poison_, random_paged, rel
 BACKENDS = ["triton", "cuda"]
 # The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps.
 DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp"]
-EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall"]  # and its extend CTA shapes
+EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall", "cuda-split"]  # extend CTA shapes, key splits
 FLOOR = 1e-5
 
 

@@ -62,8 +62,8 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         qx = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
         kx, vx = torch.randn(2, t, hkv, d, dtype=torch.bfloat16, device=dev).unbind(0)
         outx = torch.empty_like(qx)
-        for shape in ("wide", "deep", "tall"):
-            with pinned("set_extend_shape", shape):
+        for shape, splits in (("wide", "1"), ("deep", "1"), ("tall", "1"), ("wide", "3"), ("deep", "2"), ("tall", "4")):
+            with pinned("set_extend_shape", shape), pinned("set_extend_splits", splits):
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
 # More (sequence, kv head) pairs than the GPU holds at once: splits chosen to fill whole waves.

@@ -14,9 +14,11 @@ using namespace kvq_torch;
 
 namespace {
 std::atomic<int> g_extend_shape{0};
+std::atomic<int> g_extend_splits{0};
 }  // namespace
 
 int kvq_set_extend_shape(int choice) { return g_extend_shape.exchange(choice); }
+int kvq_set_extend_splits(int choice) { return g_extend_splits.exchange(choice); }
 
 void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num_q_heads, head_dim] bf16/fp16
                            const at::Tensor& key,      // [total_new_tokens, num_kv_heads, head_dim] query dtype
@@ -108,8 +110,20 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   p.num_sms = sm_count(dev.index());
   p.max_smem = smem_optin(dev.index());
   p.shape = g_extend_shape.load();
+  p.num_splits = g_extend_splits.load();
+  // The merge of split key ranges as a programmatic dependent of the split kernel, as decode's (ops.h).
+  p.dependent_merge = compute_major(dev.index()) >= 9;
+  kvq::ExtendPlan plan{};
+  cudaError_t e = kvq::extend_plan(p, plan);
+  TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: no kernel for these parameters: ", cudaGetErrorString(e));
+  p.shape = plan.shape, p.num_splits = plan.splits;
+  at::Tensor ws;  // the splits' partials, from the caching allocator (so a CUDA graph can capture it)
+  if (plan.splits > 1) {
+    ws = at::empty({kvq::extend_workspace_floats(p, plan)}, query.options().dtype(at::kFloat));
+    p.workspace = ws.data_ptr<float>();
+  }
 
-  const cudaError_t e = kvq::extend_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  e = kvq::extend_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: kernel launch failed: ", cudaGetErrorString(e));
   if (!o.is_same(out)) out.copy_(o);
 }

@@ -43,10 +43,13 @@ int kvq_set_decode_heads(int choice);
 // How the decode merge is launched: 0 = as a programmatic dependent launch where the device can (compute
 // capability 9.0 and newer), 1 = never (plain stream order). Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_pdl(int choice);
-// Which CTA shape serves extend_attention: 0 = by estimated time (extend.cuh's launch_shape), 1 = wide, 2 = deep,
+// Which CTA shape serves extend_attention: 0 = by estimated time (extend.cuh's plan_shape), 1 = wide, 2 = deep,
 // 3 = tall (8-bit caches where the device's shared memory holds it, else wide).
 // Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_shape(int choice);
+// How many ranges the keys of each extend row block are split into (merged after): 0 = by estimated time
+// (extend.cuh's plan_shape), n = n. Returns the previous choice; for benchmarks and tests.
+int kvq_set_extend_splits(int choice);
 
 // The architectures this extension was compiled for, e.g. "8.9;9.0;12.0".
 const char* kvq_cuda_archs();

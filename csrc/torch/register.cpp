@@ -51,6 +51,11 @@ static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
   static const char* const names[] = {"auto", "wide", "deep", "tall"};
   return choose(arg, names, kvq_set_extend_shape, "extend CTA shape");
 }
+
+static PyObject* set_extend_splits(PyObject*, PyObject* arg) {
+  static const char* const names[] = {"auto", "1", "2", "3", "4"};
+  return choose(arg, names, kvq_set_extend_splits, "extend key splits");
+}
 #endif
 
 static PyMethodDef kMethods[] = {
@@ -67,6 +72,9 @@ static PyMethodDef kMethods[] = {
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' or "
      "'tall' (8-bit caches where the device's shared memory holds it, else wide); returns the previous."},
+    {"set_extend_splits", set_extend_splits, METH_O,
+     "Split the keys of each CUDA extend row block over CTAs and merge: 'auto' (by estimated time) or '1' to '4'; "
+     "returns the previous."},
 #endif
     {"cuda_archs", cuda_archs, METH_NOARGS, "The CUDA architectures compiled in, e.g. '8.9;9.0;12.0'."},
     {nullptr, nullptr, 0, nullptr},

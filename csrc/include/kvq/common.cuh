@@ -127,6 +127,12 @@ __device__ __forceinline__ float nanmax(float a, float b) {
   return r;
 }
 
+// The weight of a partial (of a split along the keys) whose maximum is m in a combine whose maximum is mx: 0 for
+// a part that saw no key (m = -inf) and where no part did (mx = -inf); a NaN m stays NaN. Maxima in log2 units.
+__device__ __forceinline__ float part_weight(float m, float mx) {
+  return (mx == -INFINITY || m == -INFINITY) ? 0.0f : exp2f(m - mx);
+}
+
 // Programmatic dependent launch, for a kernel pair on one stream (a split kernel and its merge). The first
 // lets the second be scheduled once all of its own CTAs run; the second waits, before it reads anything the
 // first wrote, until the first has finished and its writes are visible. The merge's launch and start-up then

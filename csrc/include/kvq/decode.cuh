@@ -382,12 +382,6 @@ constexpr int kMergeCols = 64;  // output columns per merge CTA; head_dim is a m
 // The merge kernels and a single-split tensor-core CTA all end here, so that they agree to the bit.
 __device__ __forceinline__ float normalized(float o, float l) { return l == 0.0f ? 0.0f : o / l; }
 
-// The weight of a partial whose maximum is m in a combine whose maximum is mx: 0 for a part that saw no key
-// (m = -inf) and where no part did (mx = -inf); a NaN m stays NaN.
-__device__ __forceinline__ float part_weight(float m, float mx) {
-  return (mx == -INFINITY || m == -INFINITY) ? 0.0f : exp2f(m - mx);
-}
-
 // The partials of query head h of sequence b: its (m, l) pairs and its accumulator rows.
 struct HeadPartials {
   const float* ml;

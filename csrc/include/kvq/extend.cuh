@@ -12,7 +12,7 @@
 // every K/V tile read (and dequantized) once serves all G heads. Three CTA shapes: "wide", 4 warps of 32 rows
 // (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas), "deep", 8 warps of 16 rows
 // (more warps to hide latency when there are too few CTAs for two per SM) and, for 8-bit caches, "tall", 8
-// warps of 32 rows (each dequantized tile serves 256 rows); launch_shape picks by estimated time. Sequence b
+// warps of 32 rows (each dequantized tile serves 256 rows); plan_shape picks by estimated time. Sequence b
 // owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (cdiv(total * G, BLOCK_M) + B,
 // Hkv) depends on shapes only, and each CTA finds its sequence by binary search, so the launch is CUDA-graph
 // capturable.
@@ -58,13 +58,20 @@ struct ExtendParams {
   int batch = 0, total_q = 0, num_q_heads = 0;
   int num_sms = 1;                // of the device: picks the CTA shape
   int max_smem = 99 * 1024;       // opt-in shared memory per CTA of the device, bytes: may rule out "tall"
-  int shape = 0;                  // CTA shape: 0 by the rule below, 1 wide, 2 deep, 3 tall (8-bit only, else wide)
+  int shape = 0;                  // CTA shape: 0 by extend_plan, 1 wide, 2 deep, 3 tall (8-bit only, else wide)
+  int num_splits = 0;             // key ranges per row block: 0 by extend_plan; > 1 needs the workspace
+  float* workspace = nullptr;     // extend_workspace_floats() floats: the splits' partials, combined by a merge
+  bool dependent_merge = false;   // launch the merge as a programmatic dependent of the split kernel (sm_90+)
   float sm_scale = 1.0f;
   bool causal = true;
   int window_left = -1;      // -1: none
   float logit_softcap = 0.0f;  // 0: none
   Format format = Format::kSame;
   DType dtype = DType::kBF16;  // of query, key, value and out
+};
+
+struct ExtendPlan {
+  int shape, splits;  // as ExtendParams::shape (1 wide, 2 deep, 3 tall) and ::num_splits, both resolved
 };
 
 namespace extend_detail {
@@ -280,6 +287,14 @@ __device__ __forceinline__ void dequant_tile(const SeqInfo& s, int n0, uint32_t 
 }
 
 // ------------------------------------------------------------------------------------ the kernel
+// The CTA's key split (blockIdx.z), read where it is used: a value kept from before the key loop to the
+// epilogue costs a register that the two-m-tile CTAs, at 255, spill for.
+__device__ __forceinline__ int split_index() {
+  int z;
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+  return z;
+}
+
 template <typename T, typename S, typename C>
 __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDivmod& pdm) {
   constexpr int D = C::kD, BN = C::kBlockN, BM = C::kBlockM, MT = C::kMTiles, kThreads = C::kThreads;
@@ -351,7 +366,12 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   // Key tiles that hold a visible key for some row; tiles entirely outside the window are skipped.
   const int kv_end = p.causal ? min(s.kv_len, qmax + 1) : s.kv_len;
   const int kv_begin = p.window_left >= 0 ? max(0, qmin - p.window_left) : 0;
-  const int j_begin = kv_begin / BN, j_end = (kv_end + BN - 1) / BN;
+  int j_begin = kv_begin / BN, j_end = (kv_end + BN - 1) / BN;
+  if (p.num_splits > 1) {  // this CTA's share of the row block's key tiles (32-bit math: a 64-bit division is a call)
+    const int per = (j_end - j_begin + p.num_splits - 1) / p.num_splits, sp = split_index();
+    j_begin = min(j_begin + sp * per, j_end);
+    j_end = min(j_begin + per, j_end);
+  }
 
   const uint32_t sQ = L::kQInRegs ? sK + ((j_begin + 1) & 1) * L::kStage : smem_addr(smem) + L::kQOff;
   if constexpr (L::kQInRegs) load_q(sQ);
@@ -552,6 +572,30 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     }
   }
 
+  if (p.num_splits > 1) {  // a split's partial (acc, m, l) per row, for extend_merge_kernel
+    const int64_t parts = int64_t(p.total_q) * p.num_q_heads * p.num_splits;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float l = l_run[mt][i];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int pr = row0 + wrow + mt * 16 + lane / 4 + i * 8;
+        const int tok = pr / G, g = pr - tok * G;
+        if (tok >= s.n_new) continue;
+        const int64_t part = (int64_t(s.q_start + tok) * p.num_q_heads + s.h_kv * G + g) * p.num_splits + split_index();
+        float* acc = p.workspace + part * D + (lane & 3) * 2;
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db)
+          *reinterpret_cast<float2*>(acc + db * 8) = make_float2(o[mt][db][2 * i], o[mt][db][2 * i + 1]);
+        if ((lane & 3) == 0)
+          *reinterpret_cast<float2*>(p.workspace + parts * D + part * 2) = make_float2(m_run[mt][i], l);
+      }
+    }
+    return;
+  }
+
   // Epilogue: normalize, stage this warp's rows in its own rows of sQ (only this warp ever read them),
   // then store whole 16-byte chunks. With kQInRegs, in the stage of tile j_end: every warp finished with it
   // (tile j_end - 2, or Q) before the last iteration's barrier, and no copy targets it since.
@@ -596,11 +640,41 @@ template <typename T, typename S, typename C>
 __global__ void __launch_bounds__(C::kThreads) extend_kernel(const __grid_constant__ ExtendParams p,
                                                              const __grid_constant__ FastDivmod pdm) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
-  if constexpr (!Smem<S, C>::kFits) {  // never launched there (launch_shape checks max_smem); no code for it
+  if constexpr (!Smem<S, C>::kFits) {  // never launched there (plan_shape checks max_smem); no code for it
     __trap();
   } else
 #endif
     extend_body<T, S, C>(p, pdm);
+}
+
+// grid cdiv(total_q * num_q_heads, 8), 256 threads: a warp combines the splits of one (token, q head) row, each
+// lane D / 32 adjacent columns, and normalizes as the unsplit epilogue does.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) extend_merge_kernel(const __grid_constant__ ExtendParams p) {
+  constexpr int kCols = D / 32;
+  wait_for_primary();  // the partials are the split kernel's
+  const int64_t rows = int64_t(p.total_q) * p.num_q_heads, row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32, n = p.num_splits;
+  const float* acc = p.workspace + row * n * D + lane * kCols;
+  const float* ml = p.workspace + rows * n * D + row * n * 2;
+  float mx = -INFINITY;
+  for (int i = 0; i < n; ++i) mx = nanmax(mx, ml[2 * i]);
+  float l = 0.f, o[kCols] = {};
+  for (int i = 0; i < n; ++i) {
+    const float w = part_weight(ml[2 * i], mx);
+    l += ml[2 * i + 1] * w;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      const float2 a = *reinterpret_cast<const float2*>(acc + int64_t(i) * D + c);
+      o[c] += a.x * w, o[c + 1] += a.y * w;
+    }
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const int64_t tok = row / p.num_q_heads, h = row % p.num_q_heads;
+  T* out = static_cast<T*>(p.out) + tok * p.o_stride_tok + h * p.o_stride_head + lane * kCols;
+#pragma unroll
+  for (int c = 0; c < kCols; c += 2) *reinterpret_cast<uint32_t*>(out + c) = pack2<T>(o[c] * inv, o[c + 1] * inv);
 }
 
 template <typename T, typename S, typename C>
@@ -608,15 +682,28 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   const int G = p.num_q_heads / p.num_kv_heads;
   constexpr int BM = C::kBlockM;
   const int64_t blocks = (int64_t(p.total_q) * G + BM - 1) / BM + p.batch;
-  if (blocks > 0x7fffffff || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
+  const int splits = p.num_splits > 1 ? p.num_splits : 1;
+  if (blocks > 0x7fffffff || p.num_kv_heads > 65535 || splits > 65535) return cudaErrorInvalidConfiguration;
+  if (splits > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   static_assert(Smem<S, C>::kBytes <= 227 * 1024, "extend: a CTA must fit the shared memory of sm_90");
   constexpr size_t smem = Smem<S, C>::kBytes;
   cudaError_t err =
       cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
-  extend_kernel<T, S, C><<<dim3(unsigned(blocks), unsigned(p.num_kv_heads)), C::kThreads, smem, stream>>>(
-      p, FastDivmod(p.page_size));
-  return cudaGetLastError();
+  extend_kernel<T, S, C><<<dim3(unsigned(blocks), unsigned(p.num_kv_heads), unsigned(splits)), C::kThreads, smem,
+                           stream>>>(p, FastDivmod(p.page_size));
+  err = cudaGetLastError();
+  if (err != cudaSuccess || splits == 1) return err;
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned((int64_t(p.total_q) * p.num_q_heads + 7) / 8));
+  cfg.blockDim = dim3(256);
+  cfg.stream = stream;
+  cfg.attrs = &dependent;
+  cfg.numAttrs = p.dependent_merge ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, extend_merge_kernel<T, C::kD>, p);
 }
 
 // CTAs of one instance resident on an SM of the current device (occupancy API, once per device).
@@ -657,58 +744,118 @@ constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249,
                                                      : ShapeCosts{2675.0 / 2300, 2943.0 / 2300})
                                           : (D == 64 ? ShapeCosts{1.0, 1580.0 / 1304} : ShapeCosts{1.0, 2366.0 / 2272});
 
+// Splitting the keys of each row block over more CTAs (flash-decoding) fills an SM wave that too few row blocks
+// leave short: a chunk of 512 new tokens at 32/8 heads makes 64 tall CTAs for 132 SMs. The estimate divides each
+// CTA's time by the splits (its keys) and counts the waves of all their CTAs. Only an upper bound of a row's
+// keys is known on the host (the prefix the block table can address, plus the new tokens), and each split must
+// cover at least kMinSplitKeys of it, so that the merge and the partials' traffic stay small beside the keys.
+constexpr int kMaxSplits = 8;
+constexpr int64_t kMinSplitKeys = 2048;
+
 template <typename T, typename S, int D>
-cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
+ExtendPlan plan_shape(const ExtendParams& p) {
   using Wide = WideCfg<S, D>;
+  constexpr bool kQuant = StorageTraits<S>::kQuantized;
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t keys = int64_t(p.max_pages) * p.page_size + (int64_t(p.total_q) + p.batch - 1) / p.batch;
+  // Least estimated time of a shape over its splits (the pinned number where p.num_splits > 0).
+  auto best = [&](int rows, int resident, double per_row, int& splits) {
+    const int64_t ctas = ((int64_t(p.total_q) * G + rows - 1) / rows + p.batch - 1) * p.num_kv_heads;
+    const int64_t slots = int64_t(resident) * p.num_sms;
+    const int lo = p.num_splits > 0 ? p.num_splits : 1, hi = p.num_splits > 0 ? p.num_splits : kMaxSplits;
+    double least = INFINITY;
+    for (int n = lo; n <= hi && (n == lo || keys >= n * kMinSplitKeys); ++n) {
+      const double t = double((ctas * n + slots - 1) / slots) * double(resident * rows) * per_row / n;
+      if (t < least) least = t, splits = n;
+    }
+    return least;
+  };
+  int s_wide = 1;
+  const double wide = best(Wide::kBlockM, resident_ctas<T, S, Wide>(), kShapeCosts<kQuant, D>.wide, s_wide);
   if constexpr (D <= 128) {
     using Deep = Cfg<D, 64, 1, 8>;
     using Tall = TallCfg<D>;
-    constexpr bool kQuant = StorageTraits<S>::kQuantized;
     static_assert(Deep::kBlockM == Wide::kBlockM, "the same rows per CTA");
-    const int64_t G = p.num_q_heads / p.num_kv_heads;
-    const bool tall_ok = kQuant && Smem<S, Tall>::kBytes <= size_t(p.max_smem);
-    auto cost = [&](int64_t rows, int resident, double per_row) {
-      const int64_t ctas = ((int64_t(p.total_q) * G + rows - 1) / rows + p.batch - 1) * p.num_kv_heads;
-      const int64_t slots = int64_t(resident) * p.num_sms;
-      return double((ctas + slots - 1) / slots) * double(resident * rows) * per_row;
-    };
-    double wide = 0, deep = 0;
-    if (p.shape == 0) {
-      wide = cost(Wide::kBlockM, resident_ctas<T, S, Wide>(), kShapeCosts<kQuant, D>.wide);
-      deep = cost(Deep::kBlockM, resident_ctas<T, S, Deep>(), kShapeCosts<kQuant, D>.deep);
-    }
+    int s_deep = 1;
+    const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kShapeCosts<kQuant, D>.deep, s_deep);
+    if (p.shape == 2) return {2, s_deep};
     if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
-      if (tall_ok && p.shape == 3) return launch<T, S, Tall>(p, stream);
-      if (tall_ok && p.shape == 0) {
-        const double tall = cost(Tall::kBlockM, resident_ctas<T, S, Tall>(), 1.0);
-        if (tall <= wide && tall <= deep) return launch<T, S, Tall>(p, stream);
+      if (p.shape != 1 && Smem<S, Tall>::kBytes <= size_t(p.max_smem)) {
+        int s_tall = 1;
+        const double tall = best(Tall::kBlockM, resident_ctas<T, S, Tall>(), 1.0, s_tall);
+        if (p.shape == 3 || (tall <= wide && tall <= deep)) return {3, s_tall};
       }
     }
-    if (p.shape == 2 || (p.shape == 0 && deep < wide)) return launch<T, S, Deep>(p, stream);
+    if (p.shape == 0 && deep < wide) return {2, s_deep};
   }
-  return launch<T, S, Wide>(p, stream);
+  return {1, s_wide};
 }
 
-template <typename T, typename S>
-cudaError_t launch_head_dim(const ExtendParams& p, cudaStream_t stream) {
-  return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, return launch_shape<T, S, HD>(p, stream););
+template <typename T, typename S, int D>
+cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
+  if constexpr (D <= 128) {
+    if constexpr (StorageTraits<S>::kQuantized) {
+      if (p.shape == 3) return launch<T, S, TallCfg<D>>(p, stream);
+    }
+    if (p.shape == 2) return launch<T, S, Cfg<D, 64, 1, 8>>(p, stream);
+  }
+  return launch<T, S, WideCfg<S, D>>(p, stream);
+}
+
+template <typename X>
+struct Type {
+  using type = X;
+};
+// fn(Type<T>, Type<S>, integral_constant<int, D>) for the query dtype, storage format and head_dim of p.
+// Instantiations: head_dim {64, 128, 256} x storage {query dtype, q8_0, fp8_e4m3} x query {bf16, fp16}.
+template <typename F>
+cudaError_t dispatch(const ExtendParams& p, F&& fn) {
+  return KVQ_DISPATCH_DTYPE(p.dtype, T, {
+    return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
+      constexpr std::integral_constant<int, HD> d;
+      switch (p.format) {
+        case Format::kSame: return fn(Type<T>{}, Type<T>{}, d);
+        case Format::kQ8_0: return fn(Type<T>{}, Type<int8_t>{}, d);
+        case Format::kFp8E4M3: return fn(Type<T>{}, Type<__nv_fp8_e4m3>{}, d);
+      }
+      return cudaErrorInvalidValue;
+    });
+  });
+}
+
+inline bool valid(const ExtendParams& p) {
+  return p.num_kv_heads > 0 && p.num_q_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 && p.page_size > 0 &&
+         p.num_sms > 0 && p.num_splits >= 0 && p.num_splits <= 65535;
 }
 
 }  // namespace extend_detail
 
-// Launch extend attention on `stream`. Instantiations: head_dim {64, 128, 256} x storage {query dtype,
-// q8_0, fp8_e4m3} x query {bf16, fp16}. Returns the launch error; nothing synchronizes with the host.
+// The CTA shape and splits extend_attention will launch for p (p.shape and p.num_splits: 0 to choose, else
+// pinned). Splits > 1 need extend_workspace_floats() floats at p.workspace.
+inline cudaError_t extend_plan(const ExtendParams& p, ExtendPlan& plan) {
+  if (!extend_detail::valid(p)) return cudaErrorInvalidValue;
+  return extend_detail::dispatch(p, [&](auto t, auto s, auto d) {
+    plan = extend_detail::plan_shape<typename decltype(t)::type, typename decltype(s)::type, decltype(d)::value>(p);
+    return cudaSuccess;
+  });
+}
+
+inline int64_t extend_workspace_floats(const ExtendParams& p, const ExtendPlan& plan) {
+  return plan.splits > 1 ? int64_t(p.total_q) * p.num_q_heads * plan.splits * (p.head_dim + 2) : 0;
+}
+
+// Launch extend attention on `stream`, in the shape and splits of extend_plan(p). Returns the launch error;
+// nothing synchronizes with the host.
 inline cudaError_t extend_attention(const ExtendParams& p, cudaStream_t stream) {
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
-  if (p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.page_size <= 0)
-    return cudaErrorInvalidValue;
-  return KVQ_DISPATCH_DTYPE(p.dtype, T, {
-    switch (p.format) {
-      case Format::kSame: return extend_detail::launch_head_dim<T, T>(p, stream);
-      case Format::kQ8_0: return extend_detail::launch_head_dim<T, int8_t>(p, stream);
-      case Format::kFp8E4M3: return extend_detail::launch_head_dim<T, __nv_fp8_e4m3>(p, stream);
-    }
-    return cudaErrorInvalidValue;
+  if (!extend_detail::valid(p)) return cudaErrorInvalidValue;
+  return extend_detail::dispatch(p, [&](auto t, auto s, auto d) {
+    using T = typename decltype(t)::type;
+    using S = typename decltype(s)::type;
+    ExtendParams q = p;
+    const ExtendPlan plan = extend_detail::plan_shape<T, S, decltype(d)::value>(p);
+    q.shape = plan.shape, q.num_splits = plan.splits;
+    return extend_detail::launch_shape<T, S, decltype(d)::value>(q, stream);
   });
 }
 
