@@ -5,10 +5,11 @@ Token ``i`` of sequence ``b`` (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sits 
 to the new keys (exact), causally unless ``causal=False``, with an optional window and soft-cap. Prefill is
 ``prefix_lens = 0``. Reference: :func:`kvq.reference.extend_attention`.
 
-The grid comes from shapes only: ``total_tokens // BLOCK_M + batch`` row blocks per query head. Sequence
-``b`` owns row blocks ``cu[b] // BLOCK_M + b ...`` (at most ``cdiv(n_b, BLOCK_M)`` of them, which never
-reach the next sequence's first block); a program finds its sequence by binary search over ``cu_seqlens_q``
-and idles when its block is past the end of the sequence.
+The grid comes from shapes only: ``total_tokens // BLOCK_M + batch`` row blocks per query head, in one grid
+dimension with the heads varying fastest and the row blocks from the last down, so that the late blocks (more
+keys when causal) of every head start first. Sequence ``b`` owns row blocks ``cu[b] // BLOCK_M + b ...`` (at
+most ``cdiv(n_b, BLOCK_M)`` of them, which never reach the next sequence's first block); a program finds its
+sequence by binary search over ``cu_seqlens_q`` and idles when its block is past the end of the sequence.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                    PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, CAUSAL: tl.constexpr,
                    SOFTCAP: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+    HQ: tl.constexpr = HKV * G
+    h = tl.program_id(0) % HQ
+    pid = tl.num_programs(0) // HQ - 1 - tl.program_id(0) // HQ  # row block
     hk = h // G
     DT: tl.constexpr = q_ptr.dtype.element_ty
     # The tensor-core dtype for the cached prefix: fp16 for an 8-bit cache (see _common.dequant_f16).
@@ -131,7 +133,7 @@ def extend_attention(query, key, value, k_cache, v_cache, k_scale, v_scale, bloc
     fmt = cache_format(k_cache)
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
-    grid = (total // block_m + batch, hq)
+    grid = ((total // block_m + batch) * hq,)
     _extend_kernel[grid](
         query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1), value, value.stride(0),
         value.stride(1), kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, block_table,

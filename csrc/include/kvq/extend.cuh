@@ -13,9 +13,9 @@
 // (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas), "deep", 8 warps of 16 rows
 // (more warps to hide latency when there are too few CTAs for two per SM) and, for 8-bit caches, "tall", 8
 // warps of 32 rows (each dequantized tile serves 256 rows); plan_shape picks by estimated time. Sequence b
-// owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (cdiv(total * G, BLOCK_M) + B,
-// Hkv) depends on shapes only, and each CTA finds its sequence by binary search, so the launch is CUDA-graph
-// capturable.
+// owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (Hkv, cdiv(total * G, BLOCK_M)
+// + B, key splits) depends on shapes only, and each CTA finds its sequence by binary search, so the launch is
+// CUDA-graph capturable.
 //
 // Pipeline: two stages of K/V tiles (BLOCK_N keys) in shared memory, one barrier per tile. While tile j
 // is computed (S = Q K^T, online softmax, O += P V) the copies of tile j + 1 are in flight: rows in the
@@ -24,6 +24,7 @@
 // copies land. The block-table entries of tile j + 2 are read meanwhile, so no copy waits on the table.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -296,7 +297,7 @@ __device__ __forceinline__ int split_index() {
 }
 
 template <typename T, typename S, typename C>
-__device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDivmod& pdm) {
+__device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDivmod& pdm, int blk_hi) {
   constexpr int D = C::kD, BN = C::kBlockN, BM = C::kBlockM, MT = C::kMTiles, kThreads = C::kThreads;
   using L = Smem<S, C>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -308,9 +309,11 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
                             p.block_table, p.block_table_stride, p.max_pages, p.prefix_lens);
 
   const int G = p.num_q_heads / p.num_kv_heads;
-  // Largest b with start(b) = cu[b] * G / BM + b <= blk; late row blocks (more keys when causal) are
-  // scheduled first.
-  const int blk = int(gridDim.x) - 1 - int(blockIdx.x);
+  // Grid (kv head, row block, split), row blocks from blk_hi down: the hardware dispatches x fastest, so the late
+  // row blocks (more keys when causal) of every head go first. (With the heads in y, each head's blocks ran in
+  // turn and the last head's longest ones started near the end.)
+  const int blk = blk_hi - int(blockIdx.y);
+  // Largest b with start(b) = cu[b] * G / BM + b <= blk.
   int lo = 0, hi = p.batch - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -324,7 +327,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   s.n_new = min(max(__ldg(p.cu_seqlens_q + lo + 1), s.q_start), p.total_q) - s.q_start;
   s.prefix = cache.length(lo);  // clamped to what the block table row can address
   s.kv_len = s.prefix + s.n_new;
-  s.h_kv = blockIdx.y;
+  s.h_kv = blockIdx.x;
   const int m_blk = blk - int(int64_t(s.q_start) * G / BM + lo);
   const int row0 = m_blk * BM;  // first packed row (token * G + g) of this CTA
   if (s.n_new <= 0 || row0 >= s.n_new * G) return;
@@ -638,13 +641,13 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 
 template <typename T, typename S, typename C>
 __global__ void __launch_bounds__(C::kThreads) extend_kernel(const __grid_constant__ ExtendParams p,
-                                                             const __grid_constant__ FastDivmod pdm) {
+                                                             const __grid_constant__ FastDivmod pdm, int blk_hi) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
   if constexpr (!Smem<S, C>::kFits) {  // never launched there (plan_shape checks max_smem); no code for it
     __trap();
   } else
 #endif
-    extend_body<T, S, C>(p, pdm);
+    extend_body<T, S, C>(p, pdm, blk_hi);
 }
 
 // grid cdiv(total_q * num_q_heads, 8), 256 threads: a warp combines the splits of one (token, q head) row, each
@@ -683,17 +686,20 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   constexpr int BM = C::kBlockM;
   const int64_t blocks = (int64_t(p.total_q) * G + BM - 1) / BM + p.batch;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
-  if (blocks > 0x7fffffff || p.num_kv_heads > 65535 || splits > 65535) return cudaErrorInvalidConfiguration;
+  if (blocks > 0x7fffffff || splits > 65535) return cudaErrorInvalidConfiguration;
   if (splits > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   static_assert(Smem<S, C>::kBytes <= 227 * 1024, "extend: a CTA must fit the shared memory of sm_90");
   constexpr size_t smem = Smem<S, C>::kBytes;
   cudaError_t err =
       cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
-  extend_kernel<T, S, C><<<dim3(unsigned(blocks), unsigned(p.num_kv_heads), unsigned(splits)), C::kThreads, smem,
-                           stream>>>(p, FastDivmod(p.page_size));
-  err = cudaGetLastError();
-  if (err != cudaSuccess || splits == 1) return err;
+  for (int64_t y0 = 0; y0 < blocks; y0 += 65535) {  // grid y holds at most 65535 row blocks per launch
+    const unsigned rows = unsigned(std::min<int64_t>(blocks - y0, 65535));
+    extend_kernel<T, S, C><<<dim3(unsigned(p.num_kv_heads), rows, unsigned(splits)), C::kThreads, smem, stream>>>(
+        p, FastDivmod(p.page_size), int(blocks - 1 - y0));
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (splits == 1) return cudaSuccess;
   cudaLaunchAttribute dependent;
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent.val.programmaticStreamSerializationAllowed = 1;
