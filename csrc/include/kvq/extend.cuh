@@ -288,6 +288,12 @@ __device__ __forceinline__ void dequant_tile(const SeqInfo& s, int n0, uint32_t 
 }
 
 // ------------------------------------------------------------------------------------ the kernel
+// A row's softmax sum from the partial sums of the 4 threads (a quad) that hold its columns.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // The CTA's key split (blockIdx.z), read where it is used: a value kept from before the key loop to the
 // epilogue costs a register that the two-m-tile CTAs, at 255, spill for.
 __device__ __forceinline__ int split_index() {
@@ -581,9 +587,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float l = l_run[mt][i];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float l = quad_sum(l_run[mt][i]);
         const int pr = row0 + wrow + mt * 16 + lane / 4 + i * 8;
         const int tok = pr / G, g = pr - tok * G;
         if (tok >= s.n_new) continue;
@@ -608,9 +612,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float l = l_run[mt][i];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float l = quad_sum(l_run[mt][i]);
       const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key gets 0, as the reference
       const int r = wrow + mt * 16 + lane / 4 + i * 8;
 #pragma unroll
