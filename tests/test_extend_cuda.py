@@ -8,6 +8,7 @@ output dtype, so one wrong short sequence cannot hide behind long ones. Outputs 
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -210,3 +211,26 @@ def test_wrapper_matches_op():
     out = kvq.extend_attention(q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
                                paged.block_table, prefix_t, cu)
     check_against_truth(out, paged, q, k, v, cu, prefix_t, 1 / 8, True, -1, 0.0)
+
+
+def test_more_row_blocks_than_one_launch_holds():
+    """66,000 one-token sequences make more row blocks than a grid's y dimension holds (65,535), so the launcher
+    covers them in several launches. Every output must be written, and sequences from the start, the end and a
+    random sample (which spans both launches) must match the truth."""
+    batch, hq, hkv, d, page_size = 66_000, 2, 1, 64, 16
+    pool = random_paged([3 * page_size] * 8, page_size, hkv, d, torch.int8, device=DEV)  # 8 sequences' pages
+    table = pool.block_table[torch.randint(0, 8, (batch,), device=DEV)]
+    prefix_t = torch.randint(0, 3 * page_size + 1, (batch,), dtype=torch.int32, device=DEV)
+    paged = replace(pool, block_table=table)
+    q = torch.randn(batch, hq, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(batch, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(batch, hkv, d, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    out = poison_(torch.empty_like(q))
+    torch.ops.kvq.extend_attention(q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale, table,
+                                   prefix_t, cu, 0.125, True, -1, 0.0, out)
+    assert not out.isnan().any(), "the kernel left NaN (unwritten or wrong) elements"
+    pick = torch.cat([torch.arange(64), torch.arange(batch - 64, batch), torch.randperm(batch)[:128]]).to(DEV)
+    sub = replace(paged, block_table=table[pick])
+    check_against_truth(out[pick], sub, q[pick], k[pick], v[pick], cu[:pick.numel() + 1], prefix_t[pick], 0.125,
+                        True, -1, 0.0)

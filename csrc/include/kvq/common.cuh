@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace kvq {
 
@@ -149,6 +150,29 @@ __device__ __forceinline__ void wait_for_primary() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+
+// The host side: a launch configuration that asks for the second kernel of such a pair to be launched as a
+// programmatic dependent of the kernel before it on `stream` (when `dependent`), else in plain stream order.
+class DependentLaunch {
+ public:
+  DependentLaunch(dim3 grid, dim3 block, cudaStream_t stream, bool dependent) {
+    attr_.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr_.val.programmaticStreamSerializationAllowed = 1;
+    cfg_.gridDim = grid, cfg_.blockDim = block, cfg_.stream = stream;
+    cfg_.attrs = &attr_, cfg_.numAttrs = dependent ? 1 : 0;
+  }
+  DependentLaunch(const DependentLaunch&) = delete;  // cfg_ points at attr_
+  DependentLaunch& operator=(const DependentLaunch&) = delete;
+  int64_t ctas() const { return int64_t{cfg_.gridDim.x} * cfg_.gridDim.y * cfg_.gridDim.z; }
+  template <typename... Params, typename... Args>
+  cudaError_t operator()(void (*kernel)(Params...), Args&&... args) const {
+    return cudaLaunchKernelEx(&cfg_, kernel, std::forward<Args>(args)...);
+  }
+
+ private:
+  cudaLaunchAttribute attr_{};
+  cudaLaunchConfig_t cfg_{};
+};
 
 // ------------------------------------------------------------------------------------ quantize
 // One 32-element block is held by a pair of adjacent lanes (16 elements each). The pair agrees on

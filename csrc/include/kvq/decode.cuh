@@ -509,15 +509,8 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
 inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStream_t stream) {
   if (parts > detail::kMaxParts) return cudaErrorInvalidValue;
   return KVQ_DISPATCH_DTYPE(p.dtype, O, {
-    cudaLaunchAttribute dependent;
-    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    dependent.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols);
-    cfg.blockDim = dim3(detail::kMergeThreads);
-    cfg.stream = stream;
-    cfg.attrs = &dependent;
-    cfg.numAttrs = p.dependent_merge ? 1 : 0;
+    const DependentLaunch launch(dim3(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols),
+                                 dim3(detail::kMergeThreads), stream, p.dependent_merge);
     // One pass for 4 to 16 parts: on an H200 it took 3-9% less time at batch 1-8 with 1k-2k tokens, but 2-3%
     // more with 1-3 parts (batch 64), and a one-pass merge over 30-50 parts per thread group 5-8% more.
     // Past 16 parts the first 16 accumulators per thread are loaded early (on an H200, batch 1 with 128k
@@ -525,12 +518,10 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
     // that cost occupancy (14-23% more time at 16/2 d256, batch 64). Past 64 parts on a grid of at most one CTA
     // per SM (batch 1), the first 32 (on an H200, batch 1 with 128k tokens: 32/8 d128 q8_0 85.3 -> 85.0 us, 16/2
     // d256 50.3 -> 49.5, 9/3 d64 26.3 -> 25.8; on the larger grid of 32/8 d128 at batch 8 with 32k, 1.7% more).
-    const int64_t ctas = int64_t{cfg.gridDim.x} * cfg.gridDim.y * cfg.gridDim.z;
-    if (parts >= 4 && parts <= detail::kShortMergeParts)
-      return cudaLaunchKernelEx(&cfg, detail::decode_merge_short_kernel<O>, p, parts);
-    if (parts > 64 && ctas <= p.num_sms) return cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<O, 32>, p, parts);
-    if (parts > detail::kShortMergeParts) return cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<O, 16>, p, parts);
-    return cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<O, 0>, p, parts);
+    if (parts >= 4 && parts <= detail::kShortMergeParts) return launch(detail::decode_merge_short_kernel<O>, p, parts);
+    if (parts > 64 && launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
+    if (parts > detail::kShortMergeParts) return launch(detail::decode_merge_kernel<O, 16>, p, parts);
+    return launch(detail::decode_merge_kernel<O, 0>, p, parts);
   });
 }
 

@@ -702,16 +702,9 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (splits == 1) return cudaSuccess;
-  cudaLaunchAttribute dependent;
-  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned((int64_t(p.total_q) * p.num_q_heads + 7) / 8));
-  cfg.blockDim = dim3(256);
-  cfg.stream = stream;
-  cfg.attrs = &dependent;
-  cfg.numAttrs = p.dependent_merge ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, extend_merge_kernel<T, C::kD>, p);
+  const DependentLaunch merge(dim3(unsigned((int64_t(p.total_q) * p.num_q_heads + 7) / 8)), dim3(256), stream,
+                              p.dependent_merge);
+  return merge(extend_merge_kernel<T, C::kD>, p);
 }
 
 // CTAs of one instance resident on an SM of the current device (occupancy API, once per device).
