@@ -750,11 +750,15 @@ constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249,
 // CTA's time by the splits (its keys) and counts the waves of all their CTAs. Only an upper bound of a row's
 // keys is known on the host (the prefix the block table can address, plus the new tokens), and each split must
 // cover at least kMinSplitKeys of it, so that the merge and the partials' traffic stay small beside the keys.
+// 1024 rather than 2048 (on an H200, 32/8 d128 unless noted): 64 new tokens over an 8k prefix 88.1 -> 52.6 us
+// bf16, 108.1 -> 62.7 q8_0; 256 over 4k at 16/2 d256 184.2 -> 125.0 bf16; 768 over 4k q8_0 321.7 -> 287.8, but
+// bf16 262.6 -> 277.6 and 256 over 4k bf16 90.4 -> 93.3; the bench shapes within 0.3%. 512 gained 256 tokens over
+// a 1k prefix a third more, and lost 13.5% at 512 over 1k (bf16).
 // A split must also beat the unsplit estimate by kSplitGain: over many waves, rounding gains a few percent that
 // the splits' fixed costs take back (on an H200, 8192 new tokens over a 4k prefix split 5 ways for an estimated
 // 2.5% took 8-11% more time: bf16 4191 -> 4514 us, q8_0 4168 -> 4635).
 constexpr int kMaxSplits = 8;
-constexpr int64_t kMinSplitKeys = 2048;
+constexpr int64_t kMinSplitKeys = 1024;
 constexpr double kSplitGain = 0.9;
 
 template <typename T, typename S, int D>
@@ -763,9 +767,10 @@ ExtendPlan plan_shape(const ExtendParams& p) {
   constexpr bool kQuant = StorageTraits<S>::kQuantized;
   const int64_t G = p.num_q_heads / p.num_kv_heads;
   const int64_t keys = int64_t(p.max_pages) * p.page_size + (int64_t(p.total_q) + p.batch - 1) / p.batch;
+  auto ctas_of = [&](int rows) { return ((int64_t(p.total_q) * G + rows - 1) / rows + p.batch - 1) * p.num_kv_heads; };
   // Least estimated time of a shape over its splits (the pinned number where p.num_splits > 0).
   auto best = [&](int rows, int resident, double per_row, int& splits) {
-    const int64_t ctas = ((int64_t(p.total_q) * G + rows - 1) / rows + p.batch - 1) * p.num_kv_heads;
+    const int64_t ctas = ctas_of(rows);
     const int64_t slots = int64_t(resident) * p.num_sms;
     const int lo = p.num_splits > 0 ? p.num_splits : 1, hi = p.num_splits > 0 ? p.num_splits : kMaxSplits;
     auto estimate = [&](int n) {
@@ -788,6 +793,18 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     int s_deep = 1;
     const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kShapeCosts<kQuant, D>.deep, s_deep);
     if (p.shape == 2) return {2, s_deep};
+    // The estimate counts waves of equal CTAs. Under a causal mask, rows whose keys are mostly their own chunk's
+    // (the block table addresses fewer keys than twice a sequence's new tokens: a prefill, or a prefix shorter
+    // than the chunk) make unequal ones: the late row blocks, dispatched first, see all the keys and the early
+    // ones few. Where wide's CTAs are at most two per SM, two of them then share an SM with unequal work, or one
+    // has an SM to itself, which four warps use poorly; deep CTAs, one per SM, let the light ones follow the
+    // heavy ones. On an H200 (32/8 heads, no prefix): d128 1024 new tokens bf16 deep 46.6 us, wide 65.2; q8_0
+    // deep 49.4, the estimate's pick 74.3; 768 tokens q8_0 35.2 against 58.1; 1024 over a 1024 prefix q8_0
+    // 141.5 against 148.5; d64 768 tokens bf16 23.2 against 30.7. Past that (d128 1536 tokens, d64 1536 at
+    // three wide CTAs per SM) wide and tall are faster again.
+    const bool triangle = p.causal && p.window_left < 0 &&
+                          int64_t(p.max_pages) * p.page_size < 2 * ((int64_t(p.total_q) + p.batch - 1) / p.batch);
+    if (p.shape == 0 && triangle && ctas_of(Wide::kBlockM) <= 2 * int64_t(p.num_sms)) return {2, s_deep};
     if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
       if (p.shape != 1 && Smem<S, Tall>::kBytes <= size_t(p.max_smem)) {
         int s_tall = 1;
