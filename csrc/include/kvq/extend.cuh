@@ -800,8 +800,8 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     // has an SM to itself, which four warps use poorly; deep CTAs, one per SM, let the light ones follow the
     // heavy ones. On an H200 (32/8 heads, no prefix): d128 1024 new tokens bf16 deep 46.6 us, wide 65.2; q8_0
     // deep 49.4, the estimate's pick 74.3; 768 tokens q8_0 35.2 against 58.1; 1024 over a 1024 prefix q8_0
-    // 141.5 against 148.5; d64 768 tokens bf16 23.2 against 30.7. Past that (d128 1536 tokens, d64 1536 at
-    // three wide CTAs per SM) wide and tall are faster again.
+    // 141.5 against 148.5; d64 768 tokens bf16 23.2 against 30.7. Past that (d128 1536 tokens) wide and tall
+    // are faster again.
     const bool triangle = p.causal && p.window_left < 0 &&
                           int64_t(p.max_pages) * p.page_size < 2 * ((int64_t(p.total_q) + p.batch - 1) / p.batch);
     if (p.shape == 0 && triangle && ctas_of(Wide::kBlockM) <= 2 * int64_t(p.num_sms)) return {2, s_deep};
