@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -95,17 +96,18 @@ inline kvq::Format to_format(at::ScalarType t) {
   return kvq::Format::kSame;
 }
 
-// An attribute of a device, cached (`fallback` if the query fails).
+// An attribute of a device, cached (`fallback` if the query fails; atomic, as calls may come from several host
+// threads).
 template <cudaDeviceAttr kAttr>
 inline int device_attribute(int device, int fallback) {
-  static int cached[64] = {0};
+  static std::atomic<int> cached[64];
   if (device < 0 || device >= 64) return fallback;
-  if (cached[device] == 0) {
-    int n = 0;
+  int n = cached[device].load(std::memory_order_relaxed);
+  if (n == 0) {
     if (cudaDeviceGetAttribute(&n, kAttr, device) != cudaSuccess || n <= 0) n = fallback;
-    cached[device] = n;
+    cached[device].store(n, std::memory_order_relaxed);
   }
-  return cached[device];
+  return n;
 }
 
 // Multiprocessors of a device (132 if the query fails): sizes split counts and CTA shapes.

@@ -727,13 +727,14 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
 // The split kernel's launch shape for p: its warps per CTA and the CTAs one SM holds at once (the occupancy,
 // from which the split count is sized); with `warps` (2 up to its own), that of a CTA of so many warps, as one
 // kv head per warp launches where fewer kv heads than its warps divide the cache's. Cached per device,
-// instantiation and warp count, so a call costs no dispatch after the first.
+// instantiation and warp count, so a call costs no dispatch after the first; atomically, as calls may come from
+// several host threads.
 struct TcShape {
   int warps = 4, ctas_per_sm = 1;
 };
 inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
-  static TcShape cached[64][3][2][3][2][4] = {};  // device, format, dtype, head_dim, group bucket, warps (own, 2-4)
-  static bool known[64][3][2][3][2][4] = {};
+  // warps | ctas_per_sm << 8, 0 until known; by device, format, dtype, head_dim, group bucket, warps (own, 2-4)
+  static std::atomic<int> cached[64][3][2][3][2][4];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return TcShape{};
   const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
@@ -741,7 +742,10 @@ inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
   const int wi = warps >= 2 && warps <= 4 ? warps - 1 : 0;
   const bool cacheable = dev >= 0 && dev < 64;
   const int f = int(p.format) % 3, t = int(p.dtype) % 2;
-  if (cacheable && known[dev][f][t][hd][g][wi]) return cached[dev][f][t][hd][g][wi];
+  if (cacheable) {
+    const int known = cached[dev][f][t][hd][g][wi].load(std::memory_order_relaxed);
+    if (known != 0) return TcShape{known & 0xff, known >> 8};
+  }
   TcShape shape;
   const cudaError_t e = decode_tc_dispatch(p, [&](auto kernel, int smem, int own) {
     shape.warps = wi > 0 ? std::min(warps, own) : own;
@@ -749,7 +753,7 @@ inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
                                                          decode_tc_smem(smem, own, shape.warps));
   });
   if (e != cudaSuccess || shape.ctas_per_sm <= 0) shape.ctas_per_sm = 1;
-  if (cacheable) cached[dev][f][t][hd][g][wi] = shape, known[dev][f][t][hd][g][wi] = true;
+  if (cacheable) cached[dev][f][t][hd][g][wi].store(shape.warps | shape.ctas_per_sm << 8, std::memory_order_relaxed);
   return shape;
 }
 

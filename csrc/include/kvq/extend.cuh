@@ -707,22 +707,24 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   return merge(extend_merge_kernel<T, C::kD>, p);
 }
 
-// CTAs of one instance resident on an SM of the current device (occupancy API, once per device).
+// CTAs of one instance resident on an SM of the current device (occupancy API, once per device; atomic, as
+// calls may come from several host threads).
 template <typename T, typename S, typename C>
 int resident_ctas() {
-  static int cached[64] = {};
+  static std::atomic<int> cached[64];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
-  if (cached[dev] == 0) {
+  int known = cached[dev].load(std::memory_order_relaxed);
+  if (known == 0) {
     constexpr int smem = int(Smem<S, C>::kBytes);
     int n = 0;
     const auto kernel = extend_kernel<T, S, C>;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, C::kThreads, smem) != cudaSuccess || n <= 0)
       n = 1;
-    cached[dev] = n;
+    cached[dev].store(known = n, std::memory_order_relaxed);
   }
-  return cached[dev];
+  return known;
 }
 
 // Three shapes of CTA for head_dim <= 128: "wide" (4 warps of two m-tiles, 128 rows: fewer shared memory reads
