@@ -768,7 +768,8 @@ ExtendPlan plan_shape(const ExtendParams& p) {
   using Wide = WideCfg<S, D>;
   constexpr bool kQuant = StorageTraits<S>::kQuantized;
   const int64_t G = p.num_q_heads / p.num_kv_heads;
-  const int64_t keys = int64_t(p.max_pages) * p.page_size + (int64_t(p.total_q) + p.batch - 1) / p.batch;
+  const int64_t table_keys = int64_t(p.max_pages) * p.page_size, chunk = (int64_t(p.total_q) + p.batch - 1) / p.batch;
+  const int64_t keys = table_keys + chunk;
   auto ctas_of = [&](int rows) { return ((int64_t(p.total_q) * G + rows - 1) / rows + p.batch - 1) * p.num_kv_heads; };
   // Least estimated time of a shape over its splits (the pinned number where p.num_splits > 0).
   auto best = [&](int rows, int resident, double per_row, int& splits) {
@@ -804,8 +805,7 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     // deep 49.4, the estimate's pick 74.3; 768 tokens q8_0 35.2 against 58.1; 1024 over a 1024 prefix q8_0
     // 141.5 against 148.5; d64 768 tokens bf16 23.2 against 30.7. Past that (d128 1536 tokens) wide and tall
     // are faster again.
-    const bool triangle = p.causal && p.window_left < 0 &&
-                          int64_t(p.max_pages) * p.page_size < 2 * ((int64_t(p.total_q) + p.batch - 1) / p.batch);
+    const bool triangle = p.causal && p.window_left < 0 && table_keys < 2 * chunk;
     if (p.shape == 0 && triangle && ctas_of(Wide::kBlockM) <= 2 * int64_t(p.num_sms)) return {2, s_deep};
     if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
       if (p.shape != 1 && Smem<S, Tall>::kBytes <= size_t(p.max_smem)) {
