@@ -64,8 +64,8 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   KVQ_CHECK(op, window_left >= -1, "window_left must be -1 (no window) or >= 0, got ", window_left);
   KVQ_CHECK(op, logit_softcap >= 0 && std::isfinite(logit_softcap), "logit_softcap must be 0 (none) or positive "
             "and finite, got ", logit_softcap);
-  KVQ_CHECK(op, total * (hq / hkv) < INT32_MAX && c.num_pages * c.page_size < INT32_MAX && hkv <= 65535,
-            "too many tokens, slots or kv heads for the CUDA extend kernel's 32-bit indices");
+  KVQ_CHECK(op, total * (hq / hkv) < INT32_MAX && c.num_pages * c.page_size < INT32_MAX,
+            "too many tokens or slots for the CUDA extend kernel's 32-bit indices");
   if (batch == 0 || total == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);
@@ -116,14 +116,13 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   kvq::ExtendPlan plan{};
   cudaError_t e = kvq::extend_plan(p, plan);
   TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: no kernel for these parameters: ", cudaGetErrorString(e));
-  p.shape = plan.shape, p.num_splits = plan.splits;
   at::Tensor ws;  // the splits' partials, from the caching allocator (so a CUDA graph can capture it)
   if (plan.splits > 1) {
     ws = at::empty({kvq::extend_workspace_floats(p, plan)}, query.options().dtype(at::kFloat));
     p.workspace = ws.data_ptr<float>();
   }
 
-  e = kvq::extend_attention(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  e = kvq::extend_attention(p, plan, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: kernel launch failed: ", cudaGetErrorString(e));
   if (!o.is_same(out)) out.copy_(o);
 }

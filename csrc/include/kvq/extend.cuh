@@ -688,7 +688,9 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   constexpr int BM = C::kBlockM;
   const int64_t blocks = (int64_t(p.total_q) * G + BM - 1) / BM + p.batch;
   const int splits = p.num_splits > 1 ? p.num_splits : 1;
-  if (blocks > 0x7fffffff || splits > 65535) return cudaErrorInvalidConfiguration;
+  const int64_t merge_ctas = (int64_t(p.total_q) * p.num_q_heads + 7) / 8;
+  if (blocks > 0x7fffffff || splits > 65535 || (splits > 1 && merge_ctas > 0x7fffffff))
+    return cudaErrorInvalidConfiguration;
   if (splits > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   static_assert(Smem<S, C>::kBytes <= 227 * 1024, "extend: a CTA must fit the shared memory of sm_90");
   constexpr size_t smem = Smem<S, C>::kBytes;
@@ -702,8 +704,7 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (splits == 1) return cudaSuccess;
-  const DependentLaunch merge(dim3(unsigned((int64_t(p.total_q) * p.num_q_heads + 7) / 8)), dim3(256), stream,
-                              p.dependent_merge);
+  const DependentLaunch merge(dim3(unsigned(merge_ctas)), dim3(256), stream, p.dependent_merge);
   return merge(extend_merge_kernel<T, C::kD>, p);
 }
 
@@ -872,18 +873,16 @@ inline int64_t extend_workspace_floats(const ExtendParams& p, const ExtendPlan& 
   return plan.splits > 1 ? int64_t(p.total_q) * p.num_q_heads * plan.splits * (p.head_dim + 2) : 0;
 }
 
-// Launch extend attention on `stream`, in the shape and splits of extend_plan(p). Returns the launch error;
-// nothing synchronizes with the host.
-inline cudaError_t extend_attention(const ExtendParams& p, cudaStream_t stream) {
+// Launch extend attention on `stream` in `plan`, which extend_plan(p) resolved (so the host plans once per call;
+// splits > 1 need the workspace at p.workspace). Returns the launch error; nothing synchronizes with the host.
+inline cudaError_t extend_attention(const ExtendParams& p, const ExtendPlan& plan, cudaStream_t stream) {
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
-  if (!extend_detail::valid(p)) return cudaErrorInvalidValue;
+  if (!extend_detail::valid(p) || plan.shape < 1 || plan.shape > 3 || plan.splits < 1) return cudaErrorInvalidValue;
   return extend_detail::dispatch(p, [&](auto t, auto s, auto d) {
-    using T = typename decltype(t)::type;
-    using S = typename decltype(s)::type;
     ExtendParams q = p;
-    const ExtendPlan plan = extend_detail::plan_shape<T, S, decltype(d)::value>(p);
     q.shape = plan.shape, q.num_splits = plan.splits;
-    return extend_detail::launch_shape<T, S, decltype(d)::value>(q, stream);
+    return extend_detail::launch_shape<typename decltype(t)::type, typename decltype(s)::type, decltype(d)::value>(
+        q, stream);
   });
 }
 
