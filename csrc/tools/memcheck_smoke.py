@@ -30,7 +30,7 @@ torch.manual_seed(0)
 dev = "cuda"
 for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
     for d, page_size, hq, hkv in ((64, 1, 2, 2), (128, 16, 32, 8), (256, 5, 16, 1), (128, 3, 12, 1), (256, 128, 16, 8),
-                                  (64, 7, 9, 3)):
+                                  (64, 7, 9, 3), (256, 16, 32, 2), (128, 16, 32, 2)):
         pages = 40
         kc, ks = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
         vc, vs = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)

@@ -24,6 +24,8 @@
 // so that the fragment loads of a warp are free of bank conflicts.
 #pragma once
 
+#include <atomic>
+
 #include "decode.cuh"
 #include "tc.cuh"
 
@@ -329,14 +331,15 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       // but their addresses stay inside the cache).
       const int n = tile_page >= 0 ? min(kTile, end - t0) : 0;  // rows [0, n) are valid
       const int64_t pg = tile_page >= 0 ? tile_page : 0;
-      const unsigned char* kb = k_lane + pg * k_page_bytes + off0 * row_bytes;
-      const unsigned char* vb = v_lane + pg * v_page_bytes + off0 * row_bytes;
+      // 64-bit row offset: a page may hold more than 2 GiB (one page per sequence of a long context).
+      const unsigned char* kb = k_lane + pg * k_page_bytes + static_cast<int64_t>(off0) * row_bytes;
+      const unsigned char* vb = v_lane + pg * v_page_bytes + static_cast<int64_t>(off0) * row_bytes;
 #pragma unroll
       for (int i = 0; i < kIters; ++i) copy(i, kb + i * kRPI * row_bytes, vb + i * kRPI * row_bytes, i * kRPI + r_lane < n);
       valid = n >= kTile ? 0xFFFFu : (1u << n) - 1u;
       if constexpr (kQuant) {
         cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
-                                       s_lane + pg * s_page + off0 * s_token, r0 < n ? C::kScaleBytes : 0);
+                                       s_lane + pg * s_page + static_cast<int64_t>(off0) * s_token, r0 < n ? C::kScaleBytes : 0);
       }
     } else {
       auto locate = [&](int r, int64_t& page, int& off) {
@@ -600,8 +603,11 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   // merge would (no merge kernel then: on an H200 it took 10.8 of 89 us at batch 64, 32/8 heads, 1k tokens).
   // Row gid (gid + 8) of m-tile r * EPW / 2 + jj is value column (gid + 8 r) * EPW + 2 jj (+ 1).
   __syncthreads();
-  float* red_o = reinterpret_cast<float*>(smem);                // [kWarps][GMAX][HD]
-  float* red_ml = red_o + C::kWarps * GMAX * HD;                 // [kWarps][GMAX][2]
+  // [warps][GMAX][HD], then [warps][GMAX][2], for the warps this CTA runs: a CTA of fewer warps than kWarps
+  // (one kv head per warp) has the shared memory of as many (kSmem / kWarps per warp).
+  const int cta_warps = blockDim.x / 32;
+  float* red_o = reinterpret_cast<float*>(smem);
+  float* red_ml = red_o + cta_warps * GMAX * HD;
 #pragma unroll
   for (int h = 0; h < kRows; ++h) {
     float lsum = l[h];
@@ -707,14 +713,14 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
           return KVQ_DISPATCH_TC_GROUP(group, GMAX, {
             using C = decode_tc::Cfg<S, HD, GMAX>;
             auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
-            static bool opted_in[64] = {};
+            static std::atomic<bool> opted_in[64];  // atomic: calls may come from several host threads
             int dev = 0;
             cudaError_t e = cudaGetDevice(&dev);
             if (e != cudaSuccess) return e;
-            if (dev < 0 || dev >= 64 || !opted_in[dev]) {
+            if (dev < 0 || dev >= 64 || !opted_in[dev].load(std::memory_order_relaxed)) {
               e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
               if (e != cudaSuccess) return e;
-              if (dev >= 0 && dev < 64) opted_in[dev] = true;
+              if (dev >= 0 && dev < 64) opted_in[dev].store(true, std::memory_order_relaxed);
             }
             return f(kernel, C::kSmem, C::kWarps);
           });
