@@ -24,9 +24,10 @@ def ops():
     return backend_ops("cuda")
 
 
-@pytest.fixture(params=["cuda", "cuda-fma"])
+@pytest.fixture(params=["cuda", "cuda-fma", "cuda-warp"])
 def decode_ops(request):
-    """The CUDA ops with either decode kernel (tensor cores, FMA)."""
+    """The CUDA ops with either decode kernel (tensor cores, FMA), and the tensor-core kernel with one kv head
+    per warp (CTAs of fewer warps where the kv heads do not divide into its warps: two at 2 kv heads)."""
     return backend_ops(request.param)
 
 
@@ -230,8 +231,14 @@ def test_decode_guards_pages_out_of_range_with_checks_off(decode_ops):
         decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, table, p.seq_lens, 0.1, -1, 0.0, out)
     finally:
         kvq.set_index_checks(True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()  # the bad pages are skipped, the rest is attended
+    # The tokens of a bad page are skipped and the rest attended: the same as a table without those pages
+    # (attention does not depend on the keys' order). Sequence 0 keeps pages 0 and 2 (16 + 8 tokens), sequence 1
+    # pages 1 and 2 (16 + 8).
+    kept = torch.stack([p.block_table[0, [0, 2]], p.block_table[1, [1, 2]]])
+    lens = torch.tensor([24, 24], dtype=torch.int32, device="cuda")
+    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, kept, lens, 0.1, -1, 0.0, ref)
+    _assert_close(out, ref, [24, 24])
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "same"])
@@ -263,12 +270,15 @@ def test_cuda_graph_replay_equals_eager(decode_ops, fmt):
         key.normal_()
         value.normal_()
         q.normal_()
+        poison_(out)
         graph.replay()
         torch.cuda.synchronize()
         got = [out.clone()] + [None if c is None else c.clone() for c in caches]
+        assert not torch.isnan(got[0]).any()  # the replay wrote every element
         for c, s in zip(caches, snapshot):  # eager from the same starting cache
             if c is not None:
                 c.copy_(s)
+        poison_(out)
         step()
         torch.cuda.synchronize()
         want = [out] + list(caches)
@@ -278,3 +288,64 @@ def test_cuda_graph_replay_equals_eager(decode_ops, fmt):
         for c, s in zip(caches, snapshot):
             if c is not None:
                 c.copy_(s)
+
+
+def test_direct_op_calls_refuse_bad_metadata():
+    """torch.ops.kvq on CUDA tensors reaches the C++ adapters directly: they refuse, with a ValueError that names
+    the problem, what would otherwise reach a kernel (overlapping pages or outputs, no query heads, tokens
+    without a sequence, positions past the kernels' 32-bit arithmetic)."""
+    p = random_paged([40], 16, 2, 64, torch.int8, device="cuda")
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device="cuda")
+    table, lens = p.block_table.expand(2, -1), p.seq_lens.expand(2)
+    caches = (p.k_cache, p.v_cache, p.k_scale, p.v_scale)
+
+    # Pages that overlap (a page stride of half a page): a store would overwrite other tokens.
+    half = p.k_cache.as_strided(p.k_cache.shape, (p.k_cache.stride(0) // 2,) + p.k_cache.stride()[1:])
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="k_cache has a page stride of 1024 elements, less than a page"):
+        torch.ops.kvq.store_kv(key, key, half, p.v_cache, p.k_scale, p.v_scale, torch.arange(3, device="cuda"))
+
+    # An output whose rows share memory.
+    shared = torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda").expand(2, 4, 64)
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        torch.ops.kvq.decode_attention(q, *caches, table, lens, 0.1, -1, 0.0, shared)
+
+    # A query with no heads.
+    q0 = torch.empty(2, 0, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="query has 0 heads"):
+        torch.ops.kvq.decode_attention(q0, *caches, table, lens, 0.1, -1, 0.0, torch.empty_like(q0))
+
+    # Extend: tokens but no sequence (cu_seqlens_q of one entry).
+    qx = torch.randn(5, 4, 64, dtype=torch.bfloat16, device="cuda")
+    kx = torch.randn(5, 2, 64, dtype=torch.bfloat16, device="cuda")
+    none = torch.zeros(0, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens_q describes no sequence"):
+        torch.ops.kvq.extend_attention(qx, kx, kx, *caches, table[:0], none, torch.zeros(1, dtype=torch.int32,
+                                       device="cuda"), 0.1, True, -1, 0.0, torch.empty_like(qx))
+
+    # A block table addressing more than 2^30 positions (max_pages x page_size).
+    wide = torch.zeros(2, (1 << 30) // 16 + 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="block_table addresses 1073741840 tokens"):
+        torch.ops.kvq.decode_attention(q, *caches, wide, lens, 0.1, -1, 0.0, torch.empty_like(q))
+
+    # Messages name dequantize's own arguments and dtypes as Python spells them; scalars print in %g.
+    with pytest.raises(ValueError, match="kvq.dequantize: scale has shape"):
+        torch.ops.kvq.dequantize(p.k_cache, p.k_scale[:, :8], torch.arange(3, device="cuda"), torch.bfloat16)
+    f32 = torch.zeros(4, 16, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="cache has dtype torch.float32; expected torch.int8 or"):
+        torch.ops.kvq.dequantize(f32, None, torch.arange(3, device="cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="sm_scale must be positive and finite, got -1e-09"):
+        torch.ops.kvq.decode_attention(q, *caches, table, lens, -1e-9, -1, 0.0, torch.empty_like(q))
+
+
+def test_decode_refuses_pages_of_2_gib():
+    """The decode kernels address a row inside its page in 32 bits: a page of 2 GiB or more (one page per long
+    sequence) is refused before any kernel runs."""
+    pages, page_size, hkv, d = 1, 131072, 64, 256  # 131072 x 64 x 256 int8 = 2^31 bytes
+    cache = torch.empty(pages, page_size, hkv, d, dtype=torch.int8, device="cuda")
+    scale = torch.empty(pages, page_size, hkv, d // 32, dtype=torch.float16, device="cuda")
+    q = torch.randn(1, hkv, d, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="a page of k_cache holds 2147483648 bytes"):
+        torch.ops.kvq.decode_attention(q, cache, cache, scale, scale, table, lens, 0.1, -1, 0.0, torch.empty_like(q))

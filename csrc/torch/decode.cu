@@ -131,13 +131,14 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   KVQ_CHECK(op, c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, "the CUDA decode kernel supports head_dim "
             "64, 128 or 256, got ", c.head_dim);
   KVQ_CHECK(op, query.stride(2) == 1, "query must have a unit stride on head_dim; call .contiguous()");
-  KVQ_CHECK(op, hq % c.num_kv_heads == 0, "query has ", hq, " heads, not a multiple of the cache's ", c.num_kv_heads,
+  KVQ_CHECK(op, hq >= 1 && hq % c.num_kv_heads == 0, "query has ", hq, " heads, not a multiple of the cache's ", c.num_kv_heads,
             " kv heads (GQA needs num_q_heads % num_kv_heads == 0)");
   KVQ_CHECK(op, hq / c.num_kv_heads <= 16, "the CUDA decode kernel supports up to 16 query heads per kv head, got ",
             hq / c.num_kv_heads);
   check_tensor(op, "out", out, 3, {query.scalar_type()}, dev);
   KVQ_CHECK(op, out.sizes() == query.sizes(), "out has shape ", shape_str(out), "; it must match query ", shape_str(query));
   KVQ_CHECK(op, out.stride(2) == 1, "out must have a unit stride on head_dim");
+  check_no_overlap(op, "out", out);
   KVQ_CHECK(op, sm_scale > 0 && std::isfinite(sm_scale), "sm_scale must be positive and finite, got ", sm_scale);
   KVQ_CHECK(op, window_left >= -1, "window_left must be -1 (no window) or >= 0, got ", window_left);
   KVQ_CHECK(op, logit_softcap >= 0 && std::isfinite(logit_softcap), "logit_softcap must be 0 (none) or positive "
@@ -150,6 +151,13 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
             " and seq_lens ", shape_str(seq_lens), " must have one row per sequence (", batch, ")");
   KVQ_CHECK(op, block_table.stride(1) == 1 || block_table.size(1) <= 1, "block_table must have a unit stride on its last dim");
   KVQ_CHECK(op, batch <= 65535 && c.num_kv_heads <= 65535, "batch and num_kv_heads must be at most 65535");
+  const int64_t page_bytes = c.page_size * c.num_kv_heads * c.head_dim * k_cache.element_size();
+  KVQ_CHECK(op, page_bytes <= INT32_MAX, "a page of k_cache holds ", page_bytes, " bytes (page_size x num_kv_heads "
+            "x head_dim x ", k_cache.element_size(), "); the CUDA decode kernel takes pages under 2 GiB: use a "
+            "smaller page_size");
+  KVQ_CHECK(op, block_table.size(1) * c.page_size <= kMaxPositions, "block_table addresses ",
+            block_table.size(1) * c.page_size, " tokens (max_pages x page_size); the CUDA kernels take at most ",
+            kMaxPositions, ": pass a block table no wider than the longest sequence needs");
   if (batch == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);

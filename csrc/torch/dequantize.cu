@@ -13,7 +13,7 @@ at::Tensor dequantize_cuda(const at::Tensor& cache,                 // [num_page
                            at::ScalarType dtype)                    // of the result [num_tokens, num_kv_heads, head_dim]
 {
   const char* op = "dequantize";
-  const CacheInfo c = check_cache(op, cache, cache, scale, scale);
+  const CacheInfo c = check_cache(op, cache, cache, scale, scale, /*single=*/true);
   KVQ_CHECK(op, is_float16ish(dtype), "dtype must be torch.bfloat16 or torch.float16, got ", dtype);
   check_tensor(op, "slot_mapping", slot_mapping, 1, {at::kLong, at::kInt}, cache.device());
   at::Tensor out = at::empty({slot_mapping.size(0), c.num_kv_heads, c.head_dim}, cache.options().dtype(dtype));

@@ -53,6 +53,7 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
               "; expected [", total, ", ", heads, ", ", d, "]");
     KVQ_CHECK(op, t->stride(2) == 1, name, " must have a unit stride on head_dim; call .contiguous()");
   }
+  check_no_overlap(op, "out", out);
   check_tensor(op, "block_table", block_table, 2, {at::kInt}, dev);
   check_tensor(op, "prefix_lens", prefix_lens, 1, {at::kInt}, dev);
   check_tensor(op, "cu_seqlens_q", cu_seqlens_q, 1, {at::kInt}, dev);
@@ -64,8 +65,14 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   KVQ_CHECK(op, window_left >= -1, "window_left must be -1 (no window) or >= 0, got ", window_left);
   KVQ_CHECK(op, logit_softcap >= 0 && std::isfinite(logit_softcap), "logit_softcap must be 0 (none) or positive "
             "and finite, got ", logit_softcap);
-  KVQ_CHECK(op, total * (hq / hkv) < INT32_MAX && c.num_pages * c.page_size < INT32_MAX,
-            "too many tokens or slots for the CUDA extend kernel's 32-bit indices");
+  KVQ_CHECK(op, total * (hq / hkv) < INT32_MAX, "query has ", total, " tokens x ", hq / hkv,
+            " query heads per kv head; the CUDA extend kernel's 32-bit row indices take fewer than ", INT32_MAX);
+  KVQ_CHECK(op, batch > 0 || total == 0, "query has ", total, " tokens but cu_seqlens_q describes no sequence; "
+            "cu_seqlens_q must have batch + 1 entries ending at the token count");
+  KVQ_CHECK(op, block_table.size(1) * c.page_size + total <= kMaxPositions, "block_table addresses ",
+            block_table.size(1) * c.page_size, " tokens (max_pages x page_size) and query has ", total,
+            " new ones; the CUDA kernels take at most ", kMaxPositions,
+            " positions: pass a block table no wider than the longest sequence needs");
   if (batch == 0 || total == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);

@@ -6,9 +6,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <climits>
+#include <cstdio>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -66,10 +69,27 @@ namespace kvq_torch {
 // than torch's, so numbers never reach an ostream here.
 inline void append(std::string& s, const std::string& x) { s += x; }
 inline void append(std::string& s, const char* x) { s += x; }
-inline void append(std::string& s, at::ScalarType x) { s += c10::toString(x); }
+// dtypes as Python spells them (torch.int8, not c10's "Char"), as kvq/_checks.py's messages do.
+inline void append(std::string& s, at::ScalarType x) {
+  switch (x) {
+    case at::kChar: s += "torch.int8"; return;
+    case at::kFloat8_e4m3fn: s += "torch.float8_e4m3fn"; return;
+    case at::kBFloat16: s += "torch.bfloat16"; return;
+    case at::kHalf: s += "torch.float16"; return;
+    case at::kFloat: s += "torch.float32"; return;
+    case at::kInt: s += "torch.int32"; return;
+    case at::kLong: s += "torch.int64"; return;
+    default: s += c10::toString(x);
+  }
+}
 inline void append(std::string& s, const at::Device& x) { s += x.str(); }
-template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 inline void append(std::string& s, T x) { s += std::to_string(x); }
+inline void append(std::string& s, double x) {  // %g: std::to_string prints -1e-9 as "-0.000000"
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", x);
+  s += buf;
+}
 template <typename... A>
 inline std::string cat(const A&... a) {
   std::string s;
@@ -119,6 +139,10 @@ inline int smem_optin(int device) {
 // The major compute capability (8 if the query fails): programmatic dependent launch needs 9 or more.
 inline int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 8); }
 
+// Token positions the attention kernels take (a block table's max_pages x page_size, plus an extend's new
+// tokens): 2^30 keeps their 32-bit position arithmetic (split spans rounded up to whole tiles) from overflowing.
+constexpr int64_t kMaxPositions = int64_t{1} << 30;
+
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 inline void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t ndim,
@@ -128,7 +152,7 @@ inline void check_tensor(const char* op, const char* name, const at::Tensor& t, 
   std::string names;
   for (auto d : dtypes) {
     ok |= t.scalar_type() == d;
-    names += (names.empty() ? "" : " or ") + std::string(c10::toString(d));
+    names += (names.empty() ? "" : " or ") + cat(d);
   }
   KVQ_CHECK(op, ok, name, " has dtype ", t.scalar_type(), "; expected ", names);
   KVQ_CHECK(op, t.device() == device, name, " is on ", t.device(), " but the cache is on ", device);
@@ -139,13 +163,16 @@ struct CacheInfo {
   bool quantized;
 };
 
-// Validates a K/V cache pair and its scale planes (mirrors kvq/_checks.py check_cache).
+// Validates a K/V cache pair and its scale planes (mirrors kvq/_checks.py check_cache). `single`: one cache and
+// its scale plane, passed as both (dequantize), so that messages name "cache" and "scale".
 inline CacheInfo check_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                             bool single = false) {
   const auto dev = k_cache.device();
-  KVQ_CHECK(op, dev.is_cuda(), "k_cache is on ", dev, "; the CUDA kernels need CUDA tensors");
+  const char* k_name = single ? "cache" : "k_cache";
+  KVQ_CHECK(op, dev.is_cuda(), k_name, " is on ", dev, "; the CUDA kernels need CUDA tensors");
   for (auto* c : {&k_cache, &v_cache}) {
-    check_tensor(op, c == &k_cache ? "k_cache" : "v_cache", *c, 4,
+    check_tensor(op, c == &k_cache ? k_name : "v_cache", *c, 4,
                  {at::kChar, at::kFloat8_e4m3fn, at::kBFloat16, at::kHalf}, dev);
   }
   KVQ_CHECK(op, k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(), "k_cache ",
@@ -156,15 +183,23 @@ inline CacheInfo check_cache(const char* op, const at::Tensor& k_cache, const at
   KVQ_CHECK(op, d % kvq::kBlock == 0, "head_dim ", d, " is not a multiple of ", kvq::kBlock);
   KVQ_CHECK(op, info.page_size >= 1 && hkv >= 1 && info.num_pages >= 1, "cache shape ", shape_str(k_cache),
             " has an empty dimension");
+  // The kernels hold page indices, page offsets and slots in 32 bits.
+  KVQ_CHECK(op, info.num_pages * info.page_size <= INT32_MAX, "cache shape ", shape_str(k_cache), " has ",
+            info.num_pages * info.page_size, " slots (num_pages x page_size); the CUDA kernels address at most ",
+            INT32_MAX, ": use several caches (e.g. one per layer)");
   for (auto* c : {&k_cache, &v_cache}) {
-    KVQ_CHECK(op, c->stride(3) == 1 && c->stride(2) == d && c->stride(1) == hkv * d,
-              c == &k_cache ? "k_cache" : "v_cache",
+    const char* name = c == &k_cache ? k_name : "v_cache";
+    KVQ_CHECK(op, c->stride(3) == 1 && c->stride(2) == d && c->stride(1) == hkv * d, name,
               " must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense)");
-    KVQ_CHECK(op, aligned16(*c) && (c->stride(0) * c->element_size()) % 16 == 0,
-              c == &k_cache ? "k_cache" : "v_cache", " must start on a 16-byte boundary with 16-byte aligned pages");
+    KVQ_CHECK(op, aligned16(*c) && (c->stride(0) * c->element_size()) % 16 == 0, name,
+              " must start on a 16-byte boundary with 16-byte aligned pages");
+    // Pages may be padded apart, never overlap: a store would overwrite other tokens.
+    KVQ_CHECK(op, info.num_pages == 1 || c->stride(0) >= info.page_size * hkv * d, name, " has a page stride of ",
+              c->stride(0), " elements, less than a page (page_size x num_kv_heads x head_dim = ",
+              info.page_size * hkv * d, "): its pages overlap; pass a cache whose pages do not (e.g. kvq.new_cache)");
   }
   for (const auto* s : {&k_scale, &v_scale}) {
-    const char* name = s == &k_scale ? "k_scale" : "v_scale";
+    const char* name = single ? "scale" : s == &k_scale ? "k_scale" : "v_scale";
     if (!info.quantized) {
       KVQ_CHECK(op, !s->has_value(), name, " must be None for an unquantized ", k_cache.scalar_type(), " cache");
       continue;
@@ -179,6 +214,13 @@ inline CacheInfo check_cache(const char* op, const at::Tensor& k_cache, const at
     KVQ_CHECK(op, t.is_contiguous() && aligned16(t), name, " must be contiguous and 16-byte aligned");
   }
   return info;
+}
+
+// An output the kernels write element by element: one whose elements alias each other (an expand()ed view)
+// would receive several rows' results in one place.
+inline void check_no_overlap(const char* op, const char* name, const at::Tensor& t) {
+  KVQ_CHECK(op, at::has_internal_overlap(t) != at::MemOverlap::Yes, name,
+            " has elements that share memory (an expand()ed view?); pass a tensor of its own, e.g. torch.empty_like");
 }
 
 // A [rows, heads, head_dim] tensor whose rows the kernels read with 16-byte loads: returns it, or an
