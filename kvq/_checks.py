@@ -3,8 +3,8 @@
 Two kinds: metadata checks (dtype, shape, device, head_dim) that never touch tensor contents, and index
 checks (slots, pages, lengths in range) that read tensor contents. On a GPU the latter need a host read, so
 they are skipped while a CUDA graph is being captured or a graph is traced by torch.compile, and can be
-turned off with ``kvq.set_index_checks(False)`` or ``KVQ_CHECK_INDICES=0``. Kernels guard their own memory
-accesses either way.
+turned off with ``kvq.set_index_checks(False)`` or ``KVQ_CHECK_INDICES=0``. On CPU they cost no sync and always
+run. Kernels guard their own memory accesses either way.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def set_index_checks(enabled: bool) -> None:
-    """Turn the checks that read index tensors (a host sync on GPU) on or off."""
+    """Turn the checks that read index tensors on a GPU (a host sync) on or off; on CPU they always run."""
     global _index_checks
     _index_checks = bool(enabled)
 
 
 def index_checks_enabled(*tensors: Tensor) -> bool:
-    if not _index_checks or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or any(t.device.type == "meta" for t in tensors):
         return False
-    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+    if all(t.device.type == "cpu" for t in tensors):
+        return True  # reading a CPU tensor needs no sync, so the switch (a GPU speed knob) does not apply
+    if not _index_checks:
         return False
-    return not any(t.device.type == "meta" for t in tensors)
+    return not (any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing())
 
 
 def _fail(op: str, msg: str) -> None:
@@ -47,6 +49,26 @@ def _shape(t: Tensor) -> str:
 def _expect(op, cond, msg):
     if not cond:
         _fail(op, msg)
+
+
+def _may_overlap(t: Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: sorted by stride, each dim must step past all that the
+    smaller-stride dims span. Padded, sliced and permuted layouts pass; an expanded (stride 0) one does not.
+    torch._debug_has_internal_overlap cannot decide the partial overlaps that as_strided can make."""
+    span = 1
+    for stride, size in sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def check_writable(op: str, name: str, t: Tensor) -> None:
+    """An op writes every element of ``t`` once; elements sharing memory would overwrite each other."""
+    _expect(op, t.numel() == 0 or not _may_overlap(t),
+            f"{name} has elements that overlap in memory (shape {_shape(t)}, strides {list(t.stride())}), so "
+            "writes to it would overwrite each other; pass a tensor from torch.empty (or .contiguous()), not an "
+            "expanded or as_strided view")
 
 
 def check_tensor(op: str, name: str, t, ndim: int, dtypes, device: Optional[torch.device] = None) -> None:
@@ -74,9 +96,7 @@ def check_cache(op: str, k_cache, v_cache, k_scale, v_scale) -> tuple[int, int, 
     _expect(op, page_size >= 1 and hkv >= 1 and num_pages >= 1 and d >= 1,
             f"cache shape {_shape(k_cache)} has an empty dimension")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect(op, c.stride(-1) == 1 and c.stride(-2) == d and c.stride(1) == hkv * d,
-                f"{name} must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense); "
-                "allocate it with torch.empty or call .contiguous()")
+        _check_pages(op, name, c)
     quantized = k_cache.dtype in QUANT_DTYPES
     want = (num_pages, page_size, hkv, d // BLOCK)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -90,6 +110,20 @@ def check_cache(op: str, k_cache, v_cache, k_scale, v_scale) -> tuple[int, int, 
                 f"{_shape(k_cache)} it must be {list(want)}")
         _expect(op, s.is_contiguous(), f"{name} must be contiguous; call .contiguous()")
     return num_pages, page_size, hkv, d
+
+
+def _check_pages(op, name, c):
+    """Dense within a page; pages may be padded apart but never overlap (a store would overwrite other tokens).
+    The scale planes need no such check: they must be contiguous."""
+    num_pages, page_size, hkv, d = c.shape
+    _expect(op, c.stride(-1) == 1 and c.stride(-2) == d and c.stride(1) == hkv * d,
+            f"{name} must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense); "
+            "allocate it with torch.empty or call .contiguous()")
+    page = page_size * hkv * d
+    _expect(op, num_pages == 1 or c.stride(0) >= page,
+            f"{name} pages overlap: its page stride is {c.stride(0)} elements but one page holds {page} "
+            f"([page_size, num_kv_heads, head_dim] = [{page_size}, {hkv}, {d}]), so a store would overwrite "
+            "other pages; allocate it with torch.empty or call .contiguous() (padding between pages is allowed)")
 
 
 def _check_rows(op, name, t, n, hkv, d, dtypes, dev, *, allow_strided=True):
@@ -149,6 +183,7 @@ def _check_query_out(op, query, out, hkv, d, dev):
     check_tensor(op, "out", out, 3, (query.dtype,), dev)
     _expect(op, out.shape == query.shape, f"out has shape {_shape(out)}; it must match query {_shape(query)}")
     _expect(op, out.stride(-1) == 1, "out must have a unit stride on head_dim")
+    check_writable(op, "out", out)
 
 
 def check_decode(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale,
@@ -201,9 +236,7 @@ def check_dequantize(cache, scale, slot_mapping, dtype) -> None:
     num_pages, page_size, hkv, d = cache.shape
     _expect(op, d % BLOCK == 0, f"head_dim {d} is not a multiple of {BLOCK}")
     _expect(op, min(cache.shape) >= 1, f"cache shape {_shape(cache)} has an empty dimension")
-    _expect(op, cache.stride(-1) == 1 and cache.stride(-2) == d and cache.stride(1) == hkv * d,
-            "cache must be contiguous within a page ([page_size, num_kv_heads, head_dim] dense); "
-            "call .contiguous()")
+    _check_pages(op, "cache", cache)
     if cache.dtype in QUANT_DTYPES:
         _expect(op, scale is not None, f"scale is required for a {cache.dtype} cache")
         check_tensor(op, "scale", scale, 4, (SCALE_DTYPE,), cache.device)

@@ -51,6 +51,11 @@ def resolve_kv_cache_dtype(name, *, attention_backend: str = "kvq", head_dim: in
         raise ValueError(f"unknown KV pool family {pool_family!r}; known families are "
                          f"{', '.join(SUPPORTED_FAMILIES + tuple(UNSUPPORTED_FAMILIES))}")
     kvq_attention = _reads_quantized(attention_backend)
+    if kvq_attention and family in UNSUPPORTED_FAMILIES:
+        # kvq's pages hold per-head K/V; such a cache has another shape, whatever its dtype.
+        raise ValueError(f"{flag} on {UNSUPPORTED_FAMILIES[family]} (pool family {family!r}) is not supported yet "
+                         "by kvq's attention; use --kv-cache-dtype auto with the model's own attention backend "
+                         "(e.g. --attention-backend sdpa)")
 
     if not spec.quantized:
         if spec.storage_dtype is None:
@@ -73,9 +78,6 @@ def resolve_kv_cache_dtype(name, *, attention_backend: str = "kvq", head_dim: in
         raise ValueError(f"{flag} needs an attention backend that reads quantized KV (kvq's cuda or triton, or "
                          f"its reference), but the resolved backend is {attention_backend!r}. Pass "
                          "--attention-backend kvq or drop --kv-cache-dtype.")
-    if family in UNSUPPORTED_FAMILIES:
-        raise ValueError(f"{flag} on {UNSUPPORTED_FAMILIES[family]} (pool family {family!r}) is not supported "
-                         "yet; use --kv-cache-dtype auto")
     if not isinstance(head_dim, int) or head_dim < 1 or head_dim % BLOCK:
         raise ValueError(f"{flag} needs head_dim to be a multiple of {BLOCK} (one fp16 scale per {BLOCK} "
                          f"elements), but this model's head_dim is {head_dim}; use --kv-cache-dtype auto")

@@ -12,7 +12,7 @@ Per forward call with ``T`` new tokens per row: prefill and chunked prefill (``T
 :func:`kvq.extend_attention` (the new tokens attend to their own exact K/V and to the ``prefix_lens`` tokens
 already cached, read from the pages); generation (``T == 1``) runs :func:`kvq.decode_attention` over the
 cache, the new token included. Every row of a batch is its own pool sequence; rows must not be padded
-(kvq's attention takes no mask: each row's tokens are all real).
+(kvq's attention takes no mask: each row's tokens are all real, and a mask that hides any is refused).
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=kvq.hf.register())
     cache = kvq.hf.KVQCache(model.config, "q8_0", max_tokens=4096)
@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from .ops import decode_attention, extend_attention, store_kv
-from .pool import KVPool
+from .pool import KVPool, KVPoolFullError
 
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("kvq.hf needs transformers (pip install transformers, or scripts/setup-eval.sh)") from e
 
@@ -44,15 +45,21 @@ _STEP_ATTR = "_kvq_step"  # set on the key tensor that KVQCache.update returns; 
 def register() -> str:
     """Register kvq's attention with transformers (idempotent); returns the name to pass as attn_implementation."""
     AttentionInterface.register(ATTN_NAME, kvq_attention)
+    # Without a mask function of its own, transformers would drop a padding mask before kvq could see it.
+    AttentionMaskInterface.register(ATTN_NAME, kvq_mask)
     return ATTN_NAME
 
 
 def model_shape(config) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of a decoder config (or of its text config)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = _text_config(config)
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def cache_kwarg(model) -> str:
@@ -70,6 +77,7 @@ class _Step:
         self.seq_lens = seq_lens  # [B] int32, new tokens included (decode)
         self.prefix_lens = prefix_lens  # [B] int32, tokens cached before this call (extend)
         self.cu_seqlens_q = cu_seqlens_q  # [B + 1] int32
+        self.checked_mask = None  # the 4D mask already found to hide nothing beyond causal, if one was given
 
 
 class KVQLayer(CacheLayerMixin):
@@ -137,6 +145,9 @@ class KVQCache(Cache):
                  page_size: int = 16, model_dtype: Optional[torch.dtype] = None,
                  device: Union[str, torch.device, None] = None, pool: Optional[KVPool] = None):
         num_layers, num_kv_heads, head_dim = model_shape(config)
+        impl = getattr(_text_config(config), "_attn_implementation", None)
+        if isinstance(impl, str) and impl != ATTN_NAME:
+            raise ValueError(_not_kvq(f"the model's config selects attention {impl!r}"))
         if pool is None:
             model_dtype = model_dtype or _config_dtype(config)
             device = device if device is not None else "cpu"
@@ -157,6 +168,7 @@ class KVQCache(Cache):
         self.pool = pool
         self.seqs: list[int] = []
         self._step: Optional[_Step] = None
+        self._unread: Optional[int] = None  # a layer whose new K/V kvq's attention has not read yet
         super().__init__(layers=[KVQLayer(self, i) for i in range(num_layers)])
 
     @property
@@ -167,6 +179,9 @@ class KVQCache(Cache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Store the new ``[B, Hkv, T, D]`` K/V of one layer; the slots are reserved once per call, at layer 0."""
         b, hkv, t, d = key_states.shape
+        if self._unread is not None:
+            # Another attention read only the new tokens it was handed, not the cached ones: wrong logits.
+            raise ValueError(_not_kvq(f"layer {self._unread}'s K/V went to an attention other than kvq's"))
         if layer_idx == 0:
             self._step = self._reserve(b, t, key_states.device)
         step = self._step
@@ -179,14 +194,24 @@ class KVQCache(Cache):
         store_kv(k, v, p.k_cache(layer_idx), p.v_cache(layer_idx), p.k_scale(layer_idx), p.v_scale(layer_idx),
                  step.slot_mapping)
         setattr(key_states, _STEP_ATTR, (self, layer_idx, step))
+        self._unread = layer_idx
         return key_states, value_states
 
     def _reserve(self, b: int, t: int, device) -> _Step:
-        if not self.seqs:
-            self.seqs = [self.pool.new_sequence() for _ in range(b)]
-        elif len(self.seqs) != b:
+        if self.seqs and len(self.seqs) != b:
             raise ValueError(f"KVQCache holds {len(self.seqs)} sequences but the input has batch {b}; "
                              "use one cache per batch (or reset() it)")
+        p = self.pool
+        # All rows' pages are counted before any row grows, so a call that does not fit changes nothing.
+        lens = [p.seq_len(s) for s in self.seqs] or [0] * b
+        needed = sum(p.pages_for(n + t) - p.pages_for(n) for n in lens)
+        if needed > p.free_pages():
+            raise KVPoolFullError(
+                f"KVQCache: {b} row(s) of {t} new tokens need {needed} more page(s) of {p.page_size} tokens, but "
+                f"only {p.free_pages()} of {p.num_pages} pages are free; nothing was stored. Size the cache "
+                "larger (max_tokens, num_pages or budget_bytes), or free or reset() other caches on this pool")
+        if not self.seqs:
+            self.seqs = [p.new_sequence() for _ in range(b)]
         prefix = self.pool.seq_lens(self.seqs)
         slots = torch.cat([self.pool.append(s, t) for s in self.seqs])
         dev = torch.device(device)
@@ -206,7 +231,7 @@ class KVQCache(Cache):
         """Free this cache's sequences; the next forward starts new ones."""
         for s in self.seqs:
             self.pool.free(s)
-        self.seqs, self._step = [], None
+        self.seqs, self._step, self._unread = [], None, None
 
     def free(self) -> None:
         self.reset()
@@ -214,6 +239,47 @@ class KVQCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes the cached tokens take in the pool (exact per-token figure, scales included)."""
         return self.pool.unit_bytes() * sum(self.pool.seq_len(s) for s in self.seqs)
+
+
+def _not_kvq(what: str) -> str:
+    return (f"KVQCache works only with kvq's attention, but {what}; any other attention reads just the new "
+            "tokens' K/V that the cache hands back and gives wrong logits. Load the model with "
+            "attn_implementation=kvq.hf.register() (\"kvq\") or call model.set_attn_implementation(\"kvq\"), "
+            "then create a new KVQCache")
+
+
+_PADDED = ("kvq's attention takes no attention mask: every key of every row must be a real token, but {what} "
+           "hides some. Padded batches are not supported; run sequences of different lengths as separate calls "
+           "(batch 1, or rows of equal length), each with its own KVQCache, and pass no padding")
+
+
+def kvq_mask(attention_mask=None, kv_length=None, kv_offset: int = 0, **kwargs):
+    """transformers' mask hook for ``"kvq"``, called once per forward with the 2D padding mask ``[B, kv]``: kvq
+    applies the causal mask itself, so this only refuses a mask that hides a key, and returns None."""
+    if attention_mask is not None:
+        # One host read per forward call, and only when a mask is passed (generate passes an all-ones one).
+        end = None if kv_length is None else kv_offset + kv_length
+        seen = attention_mask[:, kv_offset:end]
+        if (kv_length is not None and seen.shape[-1] < kv_length) or not bool(seen.all()):
+            rows = (~seen).any(-1).nonzero().flatten().tolist()
+            raise ValueError(_PADDED.format(what=f"attention_mask (rows {rows or 'all'})"))
+    return None
+
+
+def _check_mask(mask: Tensor, step: _Step, t: int) -> None:
+    """A mask that reaches kvq's attention (transformers passes a 4D one through as it is, bool or additive
+    float) may hide nothing that the causal mask shows. Read once per forward call."""
+    if mask is step.checked_mask:
+        return
+    bad = ValueError(_PADDED.format(what=f"the {mask.dim()}D attention_mask of shape {list(mask.shape)}"))
+    if mask.dim() != 4 or mask.shape[-2] != t:
+        raise bad
+    seen = mask if mask.dtype == torch.bool else mask == 0
+    dev = mask.device
+    pos = step.prefix_lens.to(dev).long().view(-1, 1, 1, 1) + torch.arange(t, device=dev).view(-1, 1)
+    if bool((torch.arange(mask.shape[-1], device=dev) <= pos).logical_and(~seen).any()):  # [B, H, T, kv]
+        raise bad
+    step.checked_mask = mask
 
 
 def _config_dtype(config) -> torch.dtype:
@@ -230,10 +296,13 @@ def kvq_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_m
     if handoff is None:
         raise ValueError("attn_implementation='kvq' needs its KV cache: pass past_key_values=kvq.hf.KVQCache(...) "
                          "(use_cache=True); without a cache kvq has nowhere to keep K/V")
+    cache, layer, step = handoff
+    cache._unread = None
     if dropout:
         raise ValueError("kvq attention has no dropout; call model.eval() (it is for inference)")
-    cache, layer, step = handoff
     b, hq, t, d = query.shape
+    if attention_mask is not None:
+        _check_mask(attention_mask, step, t)
     p = cache.pool
     q = query.transpose(1, 2).reshape(b * t, hq, d)
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(d)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .config import add_kv_cache_dtype_argument, resolve_kv_cache_dtype
+from .config import UNSUPPORTED_FAMILIES, add_kv_cache_dtype_argument, resolve_kv_cache_dtype
 from .pool import kv_unit_bytes
 from .spec import FLOAT_DTYPES, KVQuantSpec
 
@@ -99,8 +99,9 @@ def plan(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, c
         # Each row as the model would be served: bf16/fp16 rows with a model of that dtype, the others with
         # the config's half-precision dtype (a float32 checkpoint is served in bf16).
         row_model = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, half)
-        # An unquantized cache can be read by any attention backend; only the 8-bit rows need kvq's.
-        backend = "kvq" if KVQuantSpec.from_name(name).quantized else "sdpa"
+        # An unquantized cache can be read by any attention backend; only the 8-bit rows need kvq's. A pool
+        # family kvq does not serve gets every row from kvq's rule: its per-head sizes would be wrong.
+        backend = "kvq" if KVQuantSpec.from_name(name).quantized or pool_family in UNSUPPORTED_FAMILIES else "sdpa"
         try:
             spec = resolve_kv_cache_dtype(name, attention_backend=backend, head_dim=head_dim,
                                           pool_family=pool_family, model_dtype=row_model)
@@ -216,6 +217,6 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=2))
     else:
         _print_table(shape, budget, args, rows)
-    if args.kv_cache_dtype is not None and "error" in rows[0]:
+    if all("error" in r for r in rows):
         return 2
     return 0

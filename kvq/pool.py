@@ -14,14 +14,14 @@ which is ``2 * L * Hkv * D * 1.0625`` for q8_0/fp8_e4m3 and ``2 * L * Hkv * D * 
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Union
 
 import torch
 from torch import Tensor
 
+from .config import resolve_kv_cache_dtype
 from .ops import dequantize, new_cache, store_kv
-from .spec import BLOCK, FLOAT_DTYPES, SCALE_DTYPE, KVQuantSpec
+from .spec import BLOCK, SCALE_DTYPE, KVQuantSpec
 
 DTypeLike = Union[str, KVQuantSpec, torch.dtype]
 _REBUILD_CHUNK = 1 << 16  # tokens moved per op call in rebuild(); bounds the temporary bf16 copy
@@ -32,19 +32,16 @@ class KVPoolFullError(RuntimeError):
 
 
 def resolve_spec(dtype: DTypeLike, model_dtype: torch.dtype) -> KVQuantSpec:
-    """A format name, spec or cache dtype as a concrete spec (``auto`` becomes the model dtype's)."""
+    """A format name, spec or cache dtype as a concrete spec (``auto`` becomes the model dtype's), by the rule of
+    :func:`kvq.resolve_kv_cache_dtype` for kvq's attention: a pool that kvq cannot read fails here, not later."""
     if isinstance(dtype, torch.dtype):
         spec = KVQuantSpec.from_cache_dtype(dtype)
     elif isinstance(dtype, KVQuantSpec):
         spec = dtype
     else:
         spec = KVQuantSpec.from_name(dtype)
-    if spec.storage_dtype is None:
-        if model_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"kv cache dtype 'auto' means the model dtype, but {model_dtype} has no kvq cache "
-                             "format; load the model in bfloat16 or float16, or pick bf16, fp16, q8_0 or fp8_e4m3")
-        spec = KVQuantSpec.from_cache_dtype(model_dtype)
-    return spec
+    # head_dim=BLOCK: the pool checks its own head_dim (_check_shape); this resolves the dtype only.
+    return resolve_kv_cache_dtype(spec, attention_backend="kvq", head_dim=BLOCK, model_dtype=model_dtype)
 
 
 def kv_unit_bytes(num_layers: int, num_kv_heads: int, head_dim: int, spec: KVQuantSpec,
@@ -64,6 +61,11 @@ def _check_shape(num_layers, num_kv_heads, head_dim, page_size):
     if head_dim % BLOCK:
         raise ValueError(f"KVPool: head_dim {head_dim} is not a multiple of {BLOCK}; kvq stores one scale per "
                          f"{BLOCK} elements of head_dim, so its pool needs head_dim in 64, 128, 256, ...")
+
+
+def _check_count(where: str, name: str, n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"{where}: {name} must be a non-negative int (a number of tokens), got {n!r}")
 
 
 class KVPool:
@@ -138,10 +140,13 @@ class KVPool:
 
     def kv_cost(self, num_tokens: int) -> int:
         """Bytes that ``num_tokens`` tokens of one sequence occupy, counted in whole pages."""
+        _check_count("KVPool.kv_cost", "num_tokens", num_tokens)
         return self.pages_for(num_tokens) * self.page_bytes()
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-int(num_tokens) // self.page_size)
+        """Pages that a sequence of ``num_tokens`` tokens occupies."""
+        _check_count("KVPool.pages_for", "num_tokens", num_tokens)
+        return -(-num_tokens // self.page_size)
 
     def free_pages(self) -> int:
         return len(self._free)
@@ -190,8 +195,7 @@ class KVPool:
     def append(self, seq: int, n: int) -> Tensor:
         """Reserve ``n`` more token slots for ``seq``; returns their slot_mapping, int64 ``[n]``."""
         pages = self._seq(seq)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"KVPool.append: n must be a non-negative int, got {n!r}")
+        _check_count("KVPool.append", "n", n)
         start = self._lens[seq]
         needed = self.pages_for(start + n) - len(pages)
         if needed > len(self._free):
@@ -247,10 +251,11 @@ class KVPool:
     def rebuild(self, dtype: Optional[DTypeLike] = None, num_pages: Optional[int] = None) -> None:
         """Move every live token into fresh planes of another format and/or size, compacting pages.
 
-        Each token is dequantized (``kvq.dequantize``, to the new cache dtype when it is unquantized, else
-        to the model dtype) and stored again (``kvq.store_kv``). Sequence ids and lengths stay; pages are
-        renumbered from 0 in sequence order, so block tables must be fetched again. If the new size cannot
-        hold the live tokens, raises ValueError before touching anything.
+        In another format each token is dequantized (``kvq.dequantize``, to the new cache dtype when it is
+        unquantized, else to the model dtype) and stored again (``kvq.store_kv``); in the same format its bytes
+        and scales are copied unchanged. Sequence ids and lengths stay; pages are renumbered from 0 in sequence
+        order, so block tables must be fetched again. If the new size cannot hold the live tokens, raises
+        ValueError before touching anything.
         """
         spec = self.spec if dtype is None else resolve_spec(dtype, self.model_dtype)
         num_pages = self.num_pages if num_pages is None else num_pages
@@ -273,10 +278,19 @@ class KVPool:
         src = torch.cat(src) if src else torch.zeros(0, dtype=torch.int64, device=self.device)
         dst = torch.cat(dst) if dst else torch.zeros(0, dtype=torch.int64, device=self.device)
         via = spec.cache_dtype(self.model_dtype) if not spec.quantized else self.model_dtype
-        for (kc, vc, ks, vs), (nkc, nvc, nks, nvs) in zip(self._planes, planes):
+        # Same format: move the stored bytes. Re-quantizing a dequantized value need not give the same bytes
+        # back, so a resize through the model dtype would change the cache a little each time.
+        same = spec == self.spec
+        for old, new in zip(self._planes, planes):
             for i in range(0, src.numel(), _REBUILD_CHUNK):
                 s, d = src[i:i + _REBUILD_CHUNK], dst[i:i + _REBUILD_CHUNK]
-                store_kv(dequantize(kc, ks, s, via), dequantize(vc, vs, s, via), nkc, nvc, nks, nvs, d)
+                if same:
+                    for a, b in zip(old, new):
+                        if a is not None:
+                            _slot_rows(b)[d] = _slot_rows(a)[s]
+                else:
+                    (kc, vc, ks, vs), (nkc, nvc, nks, nvs) = old, new
+                    store_kv(dequantize(kc, ks, s, via), dequantize(vc, vs, s, via), nkc, nvc, nks, nvs, d)
         # Everything is in place; only now does the pool change.
         self._planes, self.spec, self.num_pages, self._pages = planes, spec, num_pages, new_pages
         self._free = list(range(num_pages - 1, nxt - 1, -1))
@@ -285,3 +299,8 @@ class KVPool:
         return (f"KVPool({self.spec.name}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, pages={self.num_pages}x{self.page_size}, free={self.free_pages()}, "
                 f"{self.num_pages * self.page_bytes() / 2**20:.1f} MiB)")
+
+
+def _slot_rows(plane: Tensor) -> Tensor:
+    """A pool plane ``[num_pages, page_size, ...]`` as raw bytes, one row per slot (a view)."""
+    return plane.view(torch.uint8).flatten(0, 1)

@@ -69,12 +69,17 @@ def test_head_dim_not_a_multiple_of_32(head_dim):
 
 
 @pytest.mark.parametrize("family,words", [("mla", "MLA"), ("sparse_index", "sparse-attention index")])
-def test_unsupported_pool_families(family, words):
+@pytest.mark.parametrize("name", ["q8_0", "fp8_e4m3", "auto", "bf16"])
+def test_unsupported_pool_families(family, words, name):
+    # kvq's attention reads per-head pages, whatever their dtype; the model's own attention reads its own cache.
+    backend = ["kvq", "cuda", "triton", "reference"][int(torch.randint(0, 4, ()))]
     with pytest.raises(ValueError) as e:
-        resolve("q8_0", pool_family=family)
+        resolve(name, pool_family=family, attention_backend=backend)
     msg = str(e.value)
     assert words in msg and "is not supported yet" in msg and "use --kv-cache-dtype auto" in msg
-    assert resolve("auto", pool_family=family).name == "bf16"
+    assert "--attention-backend sdpa" in msg
+    if name in ("auto", "bf16"):
+        assert resolve(name, pool_family=family, attention_backend="sdpa").name == "bf16"
 
 
 def test_unknown_pool_family():

@@ -428,6 +428,28 @@ def m_cache_layout(call, rng):
     return [name, "contiguous"]
 
 
+def m_overlap(call, rng):
+    """A plane whose pages overlap, or an out whose rows or heads share memory: a write would clobber itself."""
+    names = [n for n in ("cache", "k_cache", "v_cache") if n in call.args and call.args[n].shape[0] > 1]
+    q = call.args.get("query")
+    if call.op in ("decode_attention", "extend_attention") and q.numel() and (q.shape[0] > 1 or q.shape[1] > 1):
+        names.append("out")
+    if not names:
+        return None
+    name = rng.choice(names)
+    if name == "out":
+        n, h, d = q.shape
+        strides = (0, d, 1) if n > 1 and (h == 1 or rng.random() < 0.5) else (h * d, rng.choice([0, 32, d - 32]), 1)
+        _set(call, "out", torch.zeros(n * h * d, dtype=q.dtype, device=q.device).as_strided(q.shape, strides))
+        return ["out", "overlap"]
+    c = call.args[name]
+    page = c[0].numel()
+    stride0 = rng.choice([0, 1, page // 2, page - 1])
+    _set(call, name, torch.zeros(c.numel(), dtype=c.dtype, device=c.device).as_strided(
+        c.shape, (stride0,) + c.stride()[1:]))
+    return [name, "pages overlap"]
+
+
 def m_scale_layout(call, rng):
     name = "scale" if call.op == "dequantize" else rng.choice(["k_scale", "v_scale"])
     s = call.args.get(name)
@@ -511,6 +533,7 @@ MUTATIONS = {
     "length beyond table": m_len_range, "cu_seqlens_q": m_cu_seqlens, "cache/scale pair": m_scale_pair,
     "cache layout": m_cache_layout, "scale layout": m_scale_layout, "unit stride": m_unit_stride,
     "scalar": m_scalar, "None": m_none, "empty cache": m_empty_cache, "model dtype": m_model_dtype,
+    "overlap": m_overlap,
 }
 INDEX_MUTATIONS = ("slot out of range", "bad page", "length beyond table", "cu_seqlens_q")
 
@@ -832,6 +855,8 @@ def main(argv=None):
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.unchecked and a.device == "cpu":
+        ap.error("--unchecked needs a GPU: on CPU the index checks always run")
     torch.manual_seed(a.seed)
     if a.unchecked:
         unchecked_loop(a.iterations, a.seed, a.device)

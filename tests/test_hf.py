@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers", reason="kvq.hf needs transfor
 
 from kvq import hf  # noqa: E402
 from kvq.eval import Runner, perplexity_windows  # noqa: E402
+from kvq.pool import KVPoolFullError  # noqa: E402
 
 VOCAB = 512
 
@@ -175,3 +176,73 @@ def test_batch_rows_are_independent_sequences(models):
     for row in range(2):
         single = run_kvq(kvq16, ids[row], "q8_0", [12, 1, 1])
         torch.testing.assert_close(batched[row], single, atol=2e-3, rtol=2e-3)
+
+
+def test_cache_refuses_a_model_whose_attention_is_not_kvq(models):
+    kvq16, eager16, _ = models
+    for impl in ("sdpa", "eager"):
+        cfg = copy.deepcopy(kvq16.config)
+        cfg._attn_implementation = impl
+        with pytest.raises(ValueError, match=f"selects attention '{impl}'.*attn_implementation"):
+            hf.KVQCache(cfg, "fp16", max_tokens=64, model_dtype=torch.float16)
+    # A cache made from a config that names no attention is caught at the first layer the other attention ran.
+    cfg = transformers.LlamaConfig(**{k: v for k, v in kvq16.config.to_dict().items() if k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim")})
+    cache = hf.KVQCache(cfg, "fp16", max_tokens=64, model_dtype=torch.float16)
+    ids = torch.randint(0, VOCAB, (1, int(torch.randint(2, 20, ()))))
+    with torch.no_grad(), pytest.raises(ValueError, match="layer 0's K/V went to an attention other than kvq's"):
+        eager16(input_ids=ids, **{hf.cache_kwarg(eager16): cache, "use_cache": True})
+
+
+def test_padded_attention_mask_is_refused(models):
+    kvq16, _, _ = models
+    n = int(torch.randint(4, 12, ()))
+    ids = torch.randint(0, VOCAB, (2, n))
+    kw = lambda: {hf.cache_kwarg(kvq16): hf.KVQCache(kvq16.config, "fp16", max_tokens=64, batch_size=2,
+                                                     model_dtype=torch.float16), "use_cache": True}
+    with torch.no_grad():
+        plain = kvq16(input_ids=ids, **kw()).logits
+        ones = kvq16(input_ids=ids, attention_mask=torch.ones(2, n, dtype=torch.long), **kw()).logits
+        assert torch.equal(plain, ones)  # a mask that hides nothing changes nothing
+        mask = torch.ones(2, n, dtype=torch.long)
+        row = int(torch.randint(0, 2, ()))
+        mask[row, : int(torch.randint(1, n, ()))] = 0  # left padding
+        with pytest.raises(ValueError, match=rf"rows \[{row}\].*Padded batches are not supported"):
+            kvq16(input_ids=ids, attention_mask=mask, **kw())
+        # A 4D mask reaches the attention as it is: causal passes, one that hides a key more does not.
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(2, 1, n, n)
+        assert torch.equal(plain, kvq16(input_ids=ids, attention_mask=causal, **kw()).logits)
+        hidden = causal.clone()
+        hidden[row, 0, -1, int(torch.randint(0, n, ()))] = False
+        with pytest.raises(ValueError, match="4D attention_mask.*Padded batches are not supported"):
+            kvq16(input_ids=ids, attention_mask=hidden, **kw())
+
+
+def test_a_call_that_does_not_fit_reserves_nothing(models):
+    kvq16, _, _ = models
+    page = 16
+    n = int(torch.randint(page // 2, page + 1, ()))  # each row fills most of one page, the pool one page more
+    cache = hf.KVQCache(kvq16.config, "q8_0", num_pages=3, batch_size=2, page_size=page, model_dtype=torch.float16)
+    kw = {hf.cache_kwarg(kvq16): cache, "use_cache": True}
+    ids = torch.randint(0, VOCAB, (2, 2 * page))
+    with torch.no_grad():
+        kvq16(input_ids=ids[:, :n], **kw)
+        pool, free = cache.pool, cache.pool.free_pages()
+        assert free == 1
+        with pytest.raises(KVPoolFullError, match="need 2 more page.*nothing was stored"):
+            kvq16(input_ids=ids[:, n:page + 1], **kw)  # both rows cross into a second page
+        assert pool.seq_lens(cache.seqs).tolist() == [n, n] and pool.free_pages() == free
+        assert cache.get_seq_length() == n
+        got = kvq16(input_ids=ids[:, n:page], **kw).logits if n < page else None  # what still fits works
+    if got is not None:
+        assert pool.seq_lens(cache.seqs).tolist() == [page, page] and torch.isfinite(got).all()
+
+
+def test_unquantized_cache_must_be_the_model_dtype(models):
+    kvq16, _, _ = models
+    with pytest.raises(ValueError, match="stores K/V in torch.bfloat16 but the model computes in torch.float16"):
+        hf.KVQCache(kvq16.config, ["bf16", "bfloat16"][int(torch.randint(0, 2, ()))], max_tokens=64,
+                    model_dtype=torch.float16)
+    assert hf.KVQCache(kvq16.config, "auto", max_tokens=64, model_dtype=torch.float16).pool.cache_dtype \
+        == torch.float16

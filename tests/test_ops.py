@@ -202,18 +202,103 @@ def test_extend_rejects_bad_cu_seqlens_and_prefix():
     _raises(torch.ops.kvq.extend_attention, e, "key", "shape")
 
 
-def test_index_checks_can_be_switched_off():
+def test_index_checks_always_run_on_cpu():
+    """The switch saves a host sync on GPU; on CPU there is none to save, so the checks stay on (DESIGN.md)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kvq import _checks
+
     a = decode_args()
-    a[6][0] = 10_000
+    a[6][int(torch.randint(0, 2, ()))] = int(torch.randint(41, 10_000, ()))
+    s = store_args()
+    s[6][1] = -int(torch.randint(2, 100, ()))
     kvq.set_index_checks(False)
     try:
-        # Metadata is still checked; index contents are not read (the reference then fails on its own).
-        from kvq import _checks
-
-        _checks.check_decode(*a)
+        _raises(kvq.decode_attention, a[:7], "seq_lens", "block_table")
+        _raises(torch.ops.kvq.decode_attention, a, "seq_lens", "block_table")
+        _raises(kvq.store_kv, s, "slot_mapping")
+        with FakeTensorMode():
+            gpu = torch.empty(3, dtype=torch.int32, device="cuda")  # no GPU needed: a fake tensor
+        assert not _checks.index_checks_enabled(gpu), "the switch must still turn the GPU checks off"
+        assert _checks.index_checks_enabled(a[6])
     finally:
         kvq.set_index_checks(True)
     _raises(_checks.check_decode, a, "seq_lens")
+
+
+def _pages_overlapping(c, stride0):
+    """The same shape as cache plane ``c`` with its pages ``stride0`` elements apart (dense within a page)."""
+    return torch.zeros(c.numel(), dtype=c.dtype).as_strided(c.shape, (stride0,) + c.stride()[1:])
+
+
+@pytest.mark.parametrize("fmt", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
+def test_overlapping_pages_are_refused(fmt):
+    a = store_args(fmt)
+    page = a[2][0].numel()
+    stride0 = int(torch.randint(0, page, ()))  # 0 (expanded) up to one element short of a page
+    name = ["k_cache", "v_cache"][int(torch.randint(0, 2, ()))]
+    i = 2 if name == "k_cache" else 3
+    a[i] = _pages_overlapping(a[i], stride0)
+    before = [x.clone() for x in a[2:6] if x is not None]
+    for fn in (kvq.store_kv, torch.ops.kvq.store_kv):
+        _raises(fn, a, name, "pages overlap", f"page stride is {stride0}", str(page))
+    assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in
+               zip([x for x in a[2:6] if x is not None], before)), "a refused store wrote"
+    d = decode_args(fmt)
+    d[1] = _pages_overlapping(d[1], stride0 % d[1][0].numel())
+    _raises(kvq.decode_attention, d[:7], "k_cache", "pages overlap")
+    _raises(kvq.dequantize, (d[1], d[3], torch.tensor([0]), torch.bfloat16), "cache", "pages overlap")
+    # A single page has no other page to overlap, and padding between pages is fine: both store as usual.
+    a = store_args(fmt, pages=1)
+    a[2] = a[2].as_strided(a[2].shape, (0,) + a[2].stride()[1:])
+    kvq.store_kv(*a)
+    a = store_args(fmt)
+    want = [x.clone() if x is not None else None for x in a[2:6]]
+    reference.store_kv(*a[:2], *want, a[6])
+    pad = int(torch.randint(1, 64, ()))
+    padded = torch.zeros(4 * (page + pad), dtype=a[2].dtype).as_strided(a[2].shape, (page + pad,) + a[2].stride()[1:])
+    padded.copy_(a[2])
+    a[2] = padded
+    kvq.store_kv(*a)
+    assert torch.equal(a[2].view(torch.uint8), want[0].view(torch.uint8))
+
+
+def _overlapping_out(q):
+    """An ``out`` like ``q`` whose rows (or heads) share memory."""
+    if q.shape[0] > 1 and bool(torch.randint(0, 2, ())):
+        return torch.empty(1, *q.shape[1:], dtype=q.dtype).expand(q.shape)
+    n, h, d = q.shape
+    return torch.empty(n * h * d, dtype=q.dtype).as_strided(q.shape, (h * d, d // 2, 1))  # heads half overlap
+
+
+def test_overlapping_out_is_refused():
+    a = decode_args()
+    a[10] = _overlapping_out(a[0])
+    _raises(torch.ops.kvq.decode_attention, a, "out", "overlap")
+    with pytest.raises(ValueError, match="out has elements that overlap"):
+        kvq.decode_attention(*a[:7], out=a[10])
+    e = extend_args()
+    e[14] = _overlapping_out(e[0])
+    _raises(torch.ops.kvq.extend_attention, e, "out", "overlap")
+    # Padded and permuted outputs share no memory: they are written like a fresh one.
+    a = decode_args()
+    want = torch.empty_like(a[0])
+    reference.decode_attention(*a[:10], want)
+    n, h, d = a[0].shape
+    a[10] = torch.full((h, n + 3, d), math.nan, dtype=a[0].dtype)[:, :n].transpose(0, 1)
+    torch.ops.kvq.decode_attention(*a)
+    assert torch.equal(a[10], want)
+
+
+def test_triton_attention_head_dims_match_the_message():
+    from kvq.triton_backend._common import check_head_dim
+
+    for d in (32, 64, 128, 256):
+        check_head_dim("decode_attention", d)
+    other = [16, 512, 1024, 2048, 8][int(torch.randint(0, 5, ()))]  # powers of two it was never tested at
+    with pytest.raises(ValueError) as e:
+        check_head_dim("extend_attention", other)
+    assert f"got {other}" in str(e.value) and "head_dim 32, 64, 128, 256," in str(e.value)
 
 
 def test_non_contiguous_query_view_is_accepted():

@@ -51,7 +51,8 @@ def test_plan_matches_the_pool(capsys):
     budget = 3 * 2**20 + 12345
     out = run_json(capsys, "--layers", "4", "--kv-heads", "2", "--head-dim", "256", "--memory", str(budget))
     for row in out["rows"]:
-        pool = KVPool.from_budget(budget, 4, 2, 256, kv_cache_dtype=row["dtype"])
+        model = torch.float16 if row["dtype"] == "fp16" else torch.bfloat16  # the model each row is served with
+        pool = KVPool.from_budget(budget, 4, 2, 256, kv_cache_dtype=row["dtype"], model_dtype=model)
         assert pool.num_pages * pool.page_size == row["tokens"] and pool.unit_bytes() == row["bytes_per_token"]
 
 
@@ -96,11 +97,17 @@ def test_config_json(tmp_path, capsys):
     assert run_json(capsys, "--config", write(tmp_path, mm), "--memory", "1GiB")["num_layers"] == 32
 
 
-def test_mla_config_has_no_quantized_rows(tmp_path, capsys):
-    cfg = dict(LLAMA3_8B, kv_lora_rank=512)
-    out = run_json(capsys, "--config", write(tmp_path, cfg), "--memory", "1GiB")
-    rows = {r["dtype"]: r for r in out["rows"]}
-    assert "tokens" in rows["bf16"] and "not supported yet" in rows["q8_0"]["error"]
+def test_mla_config_is_not_sized_per_head(tmp_path, capsys):
+    # An MLA cache holds a compressed latent per token, not num_kv_heads * head_dim: no row may size it so.
+    cfg = dict(LLAMA3_8B, kv_lora_rank=int(torch.randint(1, 9, ())) * 128)
+    assert main(["--config", write(tmp_path, cfg), "--memory", "1GiB", "--json"]) == 2
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["dtype"] for r in rows] == ["bf16", "fp16", "q8_0", "fp8_e4m3"]
+    for r in rows:
+        assert "tokens" not in r and "MLA" in r["error"] and "not supported yet" in r["error"]
+    assert main(["--config", write(tmp_path, cfg), "--memory", "1GiB"]) == 2
+    text = capsys.readouterr().out
+    assert "bf16: --kv-cache-dtype bf16" in text and "not supported yet" in text
 
 
 @pytest.mark.parametrize("cfg,words", [

@@ -348,3 +348,64 @@ def test_from_free_memory_on_gpu():
     # free memory may move a little between the two reads
     assert 0.99 * budget - pool.page_bytes() < pool.num_pages * pool.page_bytes() <= 1.01 * budget
     assert plane_bytes(pool) == pool.num_pages * pool.page_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "bf16"])
+def test_rebuild_in_the_same_format_keeps_the_bytes(fmt):
+    """A resize moves each token's stored bytes and scales as they are (re-quantizing a dequantized value need
+    not give them back: for fp16 K/V in a bf16-model pool most would change)."""
+    pool = KVPool(2, 2, 64, num_pages=12, page_size=4, kv_cache_dtype=fmt, model_dtype=torch.bfloat16)
+    kdt = torch.bfloat16 if fmt == "bf16" else torch.float16  # fp16 K/V: their 8-bit bytes do not survive bf16
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for s in seqs:
+        n = int(torch.randint(1, 13, ()))
+        slots = pool.append(s, n)
+        for l in range(2):
+            k, v = ((torch.randn(n, 2, 64) * 5).to(kdt) for _ in range(2))
+            kvq.store_kv(k, v, pool.k_cache(l), pool.v_cache(l), pool.k_scale(l), pool.v_scale(l), slots)
+    pool.free(seqs[1])  # leaves a hole, so the rebuild moves tokens to other slots
+
+    def stored(p):
+        out = []
+        for s in p.sequences():
+            slot = p.slots(s)
+            for l in range(2):
+                for t in (p.k_cache(l), p.v_cache(l), p.k_scale(l), p.v_scale(l)):
+                    if t is not None:
+                        out.append(t.view(torch.uint8).flatten(0, 1)[slot].clone())
+        return out
+
+    before = stored(pool)
+    used = pool.num_pages - pool.free_pages()
+    for size in (used, used + int(torch.randint(1, 9, ())), 12):
+        pool.rebuild(num_pages=size)
+        assert pool.num_pages == size
+        after = stored(pool)
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    check_invariants(pool)
+
+
+def test_token_counts_are_checked():
+    pool = KVPool(1, 1, 32, num_pages=2, page_size=int(torch.randint(1, 9, ())), kv_cache_dtype="q8_0")
+    n = int(torch.randint(1, 100, ()))
+    assert pool.pages_for(n) == -(-n // pool.page_size) and pool.kv_cost(n) == pool.pages_for(n) * pool.page_bytes()
+    for bad in (-n, n + 0.5, float(n), True, str(n), None):
+        for fn in (pool.pages_for, pool.kv_cost):
+            with pytest.raises(ValueError, match="non-negative int"):
+                fn(bad)
+
+
+def test_unquantized_pool_must_be_the_model_dtype():
+    model, other = [(torch.bfloat16, "fp16"), (torch.float16, "bf16")][int(torch.randint(0, 2, ()))]
+    with pytest.raises(ValueError, match="unquantized cache must match the model dtype"):
+        KVPool(1, 2, 64, 4, kv_cache_dtype=other, model_dtype=model)
+    with pytest.raises(ValueError, match="unquantized cache must match the model dtype"):
+        KVPool.from_budget(2**20, 1, 2, 64, kv_cache_dtype=other, model_dtype=model)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        KVPool(1, 2, 64, 4, kv_cache_dtype="q8_0", model_dtype=torch.float32)
+    pool = KVPool(1, 2, 64, 4, kv_cache_dtype="q8_0", model_dtype=model)
+    with pytest.raises(ValueError, match="unquantized cache must match the model dtype"):
+        pool.rebuild(other)
+    assert pool.spec.name == "q8_0"
+    pool.rebuild("auto")
+    assert pool.cache_dtype == model

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import SUPPORTED_HEAD_DIMS
+
 # The cache format, as a constexpr of every kernel (one compiled instance per format).
 FMT_PLAIN, FMT_Q8_0, FMT_E4M3 = 0, 1, 2
 
@@ -26,11 +28,16 @@ def cache_format(cache: torch.Tensor) -> int:
     return FMT_PLAIN
 
 
+# The attention kernels index head_dim with one tl.arange (a power of two). They are tested at the contract's
+# head_dims and at 32 (one scale per row); larger powers of two are not, so they are refused rather than tried.
+ATTENTION_HEAD_DIMS = (32,) + SUPPORTED_HEAD_DIMS
+
+
 def check_head_dim(op: str, d: int) -> None:
-    """The attention kernels index head_dim with one tl.arange, which needs a power of two."""
-    if d & (d - 1):
-        raise ValueError(f"kvq.{op}: the Triton backend supports head_dim 64, 128 or 256 (a power of two) for "
-                         f"attention, got {d}; store_kv and dequantize take any multiple of 32")
+    if d not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"kvq.{op}: the Triton backend's attention supports head_dim "
+                         f"{', '.join(map(str, ATTENTION_HEAD_DIMS))}, got {d}; run this model's attention on "
+                         "another backend (KVQ_BACKEND=reference). store_kv and dequantize take any multiple of 32")
 
 
 def as_kernel_arg(cache: torch.Tensor) -> torch.Tensor:
