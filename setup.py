@@ -81,7 +81,7 @@ setup(
     python_requires=">=3.11",
     install_requires=["torch>=2.11", "triton>=3.6; sys_platform == 'linux'"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "matplotlib"],  # matplotlib: the benchmark's plots
         "eval": ["transformers", "gguf", "tqdm"],
         "bench": ["matplotlib", "tqdm"],
     },

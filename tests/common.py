@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 import torch
 
 from kvq import backends, reference
@@ -13,6 +15,30 @@ from kvq.ops import new_cache
 
 FORMATS = {"bf16": None, "fp16": None, "q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Where the Triton kernels run: compiled, on CUDA tensors, where there is a GPU; else in Triton's interpreter on
+# CPU tensors (conftest sets TRITON_INTERPRET=1 on a machine without a GPU).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+CUDA_BACKENDS = ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-split")
+
+
+def device_of(backend: str) -> str:
+    """The device a backend's cases run on. The CUDA kernels need CUDA tensors: ``torch.ops.kvq`` sends CPU
+    tensors to the reference, so a "cuda" case on CPU tensors would compare the reference with itself."""
+    if backend in CUDA_BACKENDS:
+        return "cuda"
+    if backend == "triton":
+        return TRITON_DEVICE
+    return "cpu"
+
+
+def backend_params(names):
+    """``names`` as pytest parameters, those that run on CUDA tensors marked ``gpu`` (skipped without a GPU)."""
+    return [pytest.param(n, marks=pytest.mark.gpu) if device_of(n) == "cuda" else n for n in names]
+
+
+def runs_triton(test):
+    """Marks a test of the Triton kernels (on ``TRITON_DEVICE``) as a GPU test where they run on CUDA tensors."""
+    return pytest.mark.gpu(test) if TRITON_DEVICE == "cuda" else test
 
 
 def cache_dtype(fmt: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -86,8 +112,6 @@ def backend_ops(name: str):
     estimated time, so small test shapes would otherwise only reach one); ``cuda-split`` with the keys of each
     extend row block split over three CTAs and merged (the rule splits only long prefixes).
     """
-    import pytest
-
     if name == "reference":
         return reference
     if name == "triton":
@@ -96,7 +120,7 @@ def backend_ops(name: str):
         from kvq import triton_backend
 
         return triton_backend
-    if name in ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-split"):
+    if name in CUDA_BACKENDS:
         if backends.selection().active != "cuda":
             pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")
         if name == "cuda":
@@ -127,3 +151,79 @@ class _Pinned:
                 return getattr(torch.ops.kvq, name)(*args, **kwargs)
         return call
 
+
+
+# ------------------------------------------------------------------------ attention truth and tolerance
+# The flash-attention rule: the truth is attention in float64 over the *dequantized* cache (quantization is not
+# counted as error); a same-precision baseline does what a tensor-core kernel does (q and the dequantized K/V
+# cast to the query dtype, scores and softmax in fp32, P cast to the query dtype before P @ V, output rounded
+# to the query dtype). A kernel passes when its max abs error to the truth is at most twice the baseline's plus
+# a small floor (for outputs whose baseline error is ~0).
+FLOOR = 1e-5
+
+
+def attend(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dtype=None):
+    """``q [n, Hq, D]`` over ``k, v [L, Hkv, D]``: float64 truth (dtype None) or the same-precision baseline."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if dtype is None:
+        q, k, v = q.double(), k.double(), v.double()
+    else:
+        q, k, v = (t.to(dtype).float() for t in (q, k, v))
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q, k) * sm_scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    vis = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
+    if causal:
+        vis &= k_pos[None, :] <= q_pos[:, None]
+    if window_left >= 0:
+        vis &= k_pos[None, :] >= q_pos[:, None] - window_left
+    s = s.masked_fill(~vis, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees nothing gives 0
+    if dtype is not None:
+        p = p.to(dtype).float()
+    o = torch.einsum("hnl,lhd->nhd", p, v)
+    return o if dtype is None else o.to(dtype)
+
+
+def assert_close_to_truth(out, truth, base, what):
+    err = (out.double() - truth).abs().max().item()
+    berr = (base.double() - truth).abs().max().item()
+    assert err <= 2 * berr + FLOOR, f"{what}: max abs error {err:.3e} > 2 x baseline {berr:.3e} + {FLOOR}"
+
+
+def decode_truth(q, p, sm_scale, window_left, softcap):
+    """(float64 truth, same-precision baseline) of decode over ``p`` (k_cache, k_scale, v_cache, v_scale,
+    block_table and seq_lens, as in :class:`Paged`)."""
+    truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
+    for b, n in enumerate(p.seq_lens.tolist()):
+        if n == 0:
+            continue
+        k = reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n)
+        v = reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n)
+        pos = torch.arange(n, device=q.device)
+        args = (q[b:b + 1], k, v, pos[-1:], pos, sm_scale, True, window_left, softcap)
+        truth[b] = attend(*args)[0]
+        base[b] = attend(*args, dtype=q.dtype)[0]
+    return truth, base
+
+
+def extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap):
+    """(float64 truth, same-precision baseline) of extend; ``prefix`` and ``cu`` are lists of ints."""
+    truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
+    for b, n0 in enumerate(prefix):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        kn, vn = key[s:e].float(), value[s:e].float()
+        if n0:
+            k = torch.cat([reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n0), kn])
+            v = torch.cat([reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n0), vn])
+        else:
+            k, v = kn, vn
+        k_pos = torch.arange(n0 + e - s, device=q.device)
+        args = (q[s:e], k, v, k_pos[n0:], k_pos, sm_scale, causal, window_left, softcap)
+        truth[s:e] = attend(*args)
+        base[s:e] = attend(*args, dtype=q.dtype)
+    return truth, base

@@ -4,7 +4,8 @@ import zlib
 import torch
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; it must be set before triton
-# is first imported.
+# is first imported. With a GPU they run compiled, on CUDA tensors only, as GPU tests (common.TRITON_DEVICE):
+# compiled Triton cannot read CPU tensors.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -10,51 +10,17 @@ start as NaN so that any element a kernel forgets to write fails.
 """
 
 import contextlib
-import math
 
 import pytest
 import torch
 
-from kvq import reference
-
-from common import FORMATS, backend_ops, cache_dtype, poison_, random_paged, rel_err
+from common import (FORMATS, TRITON_DEVICE, assert_close_to_truth, attend, backend_ops, backend_params,
+                    cache_dtype, decode_truth, device_of, extend_truth, poison_, random_paged, rel_err, runs_triton)
 
 BACKENDS = ["triton", "cuda"]
 # The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps.
 DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp"]
 EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall", "cuda-split"]  # extend CTA shapes, key splits
-FLOOR = 1e-5
-
-
-def _attend(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dtype=None):
-    """``q [n, Hq, D]`` over ``k, v [L, Hkv, D]``: float64 truth (dtype None) or the same-precision baseline."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if dtype is None:
-        q, k, v = q.double(), k.double(), v.double()
-    else:
-        q, k, v = (t.to(dtype).float() for t in (q, k, v))
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("nhd,lhd->hnl", q, k) * sm_scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    vis = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
-    if causal:
-        vis &= k_pos[None, :] <= q_pos[:, None]
-    if window_left >= 0:
-        vis &= k_pos[None, :] >= q_pos[:, None] - window_left
-    s = s.masked_fill(~vis, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees nothing gives 0
-    if dtype is not None:
-        p = p.to(dtype).float()
-    o = torch.einsum("hnl,lhd->nhd", p, v)
-    return o if dtype is None else o.to(dtype)
-
-
-def _assert_close_to_truth(out, truth, base, what):
-    err = (out.double() - truth).abs().max().item()
-    berr = (base.double() - truth).abs().max().item()
-    assert err <= 2 * berr + FLOOR, f"{what}: max abs error {err:.3e} > 2 x baseline {berr:.3e} + {FLOOR}"
 
 
 def _query(shape, dtype, device, strided):
@@ -68,22 +34,17 @@ def _query(shape, dtype, device, strided):
     return torch.randn(n, h + 3, 2 * d, device=device).to(dtype)[:, 1:h + 1, :d]
 
 
-def _decode_truth(q, p, sm_scale, window_left, softcap):
-    truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
-    for b, n in enumerate(p.seq_lens.tolist()):
-        if n == 0:
-            continue
-        k = reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n)
-        v = reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n)
-        pos = torch.arange(n, device=q.device)
-        args = (q[b:b + 1], k, v, pos[-1:], pos, sm_scale, True, window_left, softcap)
-        truth[b] = _attend(*args)[0]
-        base[b] = _attend(*args, dtype=q.dtype)[0]
-    return truth, base
+def _device(backend, device):
+    """The device of a case: the backend's own (common.device_of) unless given. Never CPU tensors for a backend
+    that runs on CUDA ones: torch.ops.kvq would send them to the reference (or Triton could not read them)."""
+    device = device_of(backend) if device is None else device
+    assert device == "cuda" or device_of(backend) == "cpu", f"{backend} cannot run on {device} tensors"
+    return device
 
 
 def check_decode(backend, fmt, dtype, hq, hkv, d, page_size, lens, window_left=-1, softcap=0.0, strided=False,
-                 device="cpu", **config):
+                 device=None, **config):
+    device = _device(backend, device)
     ops = backend_ops(backend)
     p = random_paged(lens, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
     q = _query((len(lens), hq, d), dtype, device, strided)
@@ -91,14 +52,16 @@ def check_decode(backend, fmt, dtype, hq, hkv, d, page_size, lens, window_left=-
     sm_scale = d ** -0.5
     ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm_scale,
                          window_left, softcap, out, **config)
-    truth, base = _decode_truth(q, p, sm_scale, window_left, softcap)
-    _assert_close_to_truth(out, truth, base, f"decode {fmt} {dtype} lens={lens[:6]}")
+    truth, base = decode_truth(q, p, sm_scale, window_left, softcap)
+    assert_close_to_truth(out, truth, base, f"decode {fmt} {dtype} lens={lens[:6]}")
     for b, n in enumerate(lens):
         if n == 0:
             assert bool((out[b] == 0).all()), "seq_len 0 must give a zero row"
 
 
-DECODE_CPU = [  # (format, dtype, Hq, Hkv, head_dim, page_size, seq_lens, window_left, softcap, strided query)
+# Small cases: each backend runs them on its own device (common.device_of): Triton in the interpreter on CPU
+# tensors without a GPU (compiled, on CUDA tensors, with one), the CUDA kernels on CUDA tensors only (GPU tests).
+DECODE_SMALL = [  # (format, dtype, Hq, Hkv, head_dim, page_size, seq_lens, window_left, softcap, strided query)
     ("q8_0", torch.bfloat16, 4, 1, 64, 16, [1, 2, 31, 32, 33, 0], -1, 0.0, False),
     ("fp8_e4m3", torch.float16, 8, 2, 128, 1, [17, 40], -1, 0.0, True),
     ("bf16", torch.bfloat16, 16, 1, 64, 16, [33, 48], 20, 0.0, False),
@@ -114,12 +77,13 @@ def _ids(case):
     return "-".join(str(x).replace("torch.", "").replace(" ", "") for x in case)
 
 
-@pytest.mark.parametrize("backend", DECODE_BACKENDS)
-@pytest.mark.parametrize("case", DECODE_CPU, ids=_ids)
+@pytest.mark.parametrize("backend", backend_params(DECODE_BACKENDS))
+@pytest.mark.parametrize("case", DECODE_SMALL, ids=_ids)
 def test_decode(backend, case):
-    check_decode(backend, *case)
+    check_decode(backend, *case, device=device_of(backend))
 
 
+@runs_triton
 @pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
 def test_triton_decode_many_splits(fmt, monkeypatch):
     """More splits than the merge combines in one step, several of them empty: the merge's running maximum
@@ -127,24 +91,28 @@ def test_triton_decode_many_splits(fmt, monkeypatch):
     from kvq.triton_backend import decode
 
     monkeypatch.setattr(decode, "_MERGE_CHUNK", 16)
-    check_decode("triton", fmt, torch.bfloat16, 4, 2, 256, 16, [1200, 5, 0], config=(16, 40, 4, 1))
+    check_decode("triton", fmt, torch.bfloat16, 4, 2, 256, 16, [1200, 5, 0], config=(16, 40, 4, 1),
+                 device=TRITON_DEVICE)
 
 
+@runs_triton
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_modes(fmt, dtype, mode):
     """The 8-bit paths that a ``config`` selects instead of the default (scale after the dot for the keys):
     dequantize-then-dot (0) and the scale after the dot for the values as well (1)."""
-    check_decode("triton", fmt, dtype, 8, 2, 128, 16, [70, 33, 1], window_left=40, config=(16, 3, 4, 1, mode))
+    check_decode("triton", fmt, dtype, 8, 2, 128, 16, [70, 33, 1], window_left=40, config=(16, 3, 4, 1, mode),
+                 device=TRITON_DEVICE)
 
 
+@runs_triton
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_head_dim_32(fmt, dtype):
     """One scale per row: the scale-after-dot kernel reads scales in pairs, so this runs dequantize-then-dot."""
     from kvq.triton_backend import _common, decode
 
     assert not decode._uses_sad(decode._SCALE_AFTER_DOT, _common.FMT_Q8_0 if fmt == "q8_0" else _common.FMT_E4M3, 32)
-    check_decode("triton", fmt, dtype, 4, 2, 32, 16, [40, 3, 17])
+    check_decode("triton", fmt, dtype, 4, 2, 32, 16, [40, 3, 17], device=TRITON_DEVICE)
 
 
 # GPU: every format x head_dim, with GQA ratio / page size / window / soft-cap rotating over the cases.
@@ -227,27 +195,9 @@ def test_decode_large_batch_gpu(backend, fmt, batch, heads):
     check_decode(backend, fmt, torch.bfloat16, hq, hkv, d, 16, lens, device="cuda")
 
 
-def _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap):
-    truth, base = torch.zeros(q.shape, dtype=torch.float64, device=q.device), torch.zeros_like(q)
-    for b, n0 in enumerate(prefix):
-        s, e = cu[b], cu[b + 1]
-        if e == s:
-            continue
-        kn, vn = key[s:e].float(), value[s:e].float()
-        if n0:
-            k = torch.cat([reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n0), kn])
-            v = torch.cat([reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n0), vn])
-        else:
-            k, v = kn, vn
-        k_pos = torch.arange(n0 + e - s, device=q.device)
-        args = (q[s:e], k, v, k_pos[n0:], k_pos, sm_scale, causal, window_left, softcap)
-        truth[s:e] = _attend(*args)
-        base[s:e] = _attend(*args, dtype=q.dtype)
-    return truth, base
-
-
 def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal=True, window_left=-1,
-                 softcap=0.0, strided=False, device="cpu"):
+                 softcap=0.0, strided=False, device=None):
+    device = _device(backend, device)
     ops = backend_ops(backend)
     p = random_paged(prefix, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
     cu = [0]
@@ -262,11 +212,12 @@ def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     ops.extend_attention(q, key, value, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
                          cu_t, sm_scale, causal, window_left, softcap, out)
-    truth, base = _extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap)
-    _assert_close_to_truth(out, truth, base, f"extend {fmt} {dtype} prefix={prefix[:6]} new={new[:6]}")
+    truth, base = extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap)
+    assert_close_to_truth(out, truth, base, f"extend {fmt} {dtype} prefix={prefix[:6]} new={new[:6]}")
 
 
-EXTEND_CPU = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_lens, causal, window, softcap, strided)
+# Small cases, run like DECODE_SMALL.
+EXTEND_SMALL = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_lens, causal, window, softcap, strided)
     ("q8_0", torch.bfloat16, 4, 1, 64, 16, [0, 33, 17, 5], [20, 1, 0, 40], True, -1, 0.0, False),
     ("fp8_e4m3", torch.float16, 8, 2, 128, 1, [5, 40], [33, 2], True, 10, 0.0, True),
     ("bf16", torch.bfloat16, 4, 4, 256, 7, [50], [17], False, -1, 30.0, False),
@@ -276,10 +227,10 @@ EXTEND_CPU = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_lens
 ]
 
 
-@pytest.mark.parametrize("backend", EXTEND_BACKENDS)
-@pytest.mark.parametrize("case", EXTEND_CPU, ids=_ids)
+@pytest.mark.parametrize("backend", backend_params(EXTEND_BACKENDS))
+@pytest.mark.parametrize("case", EXTEND_SMALL, ids=_ids)
 def test_extend(backend, case):
-    check_extend(backend, *case)
+    check_extend(backend, *case, device=device_of(backend))
 
 
 EXTEND_GPU = [(fmt, d, i % 3 != 2, *_COMBOS[i % len(_COMBOS)])  # (format, head_dim, causal, combo)
@@ -297,7 +248,7 @@ def test_extend_gpu(backend, case):
                  causal, window, cap, strided=g == 4, device="cuda")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_quantization_error_report(backend):
     """How far attention over the 8-bit cache is from attention over the bf16 K/V that was stored.
 
@@ -308,7 +259,7 @@ def test_quantization_error_report(backend):
     coarser of the two.
     """
     ops = backend_ops(backend)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_of(backend)
     lens, hq, hkv, d = [200, 63], 8, 2, 128
     errs = {}
     for fmt in ("q8_0", "fp8_e4m3"):
@@ -319,7 +270,7 @@ def test_quantization_error_report(backend):
         ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, d ** -0.5,
                              -1, 0.0, out)
         truth = torch.stack([
-            _attend(q[b:b + 1], p.k_src[b], p.v_src[b], torch.tensor([n - 1], device=device),
+            attend(q[b:b + 1], p.k_src[b], p.v_src[b], torch.tensor([n - 1], device=device),
                     torch.arange(n, device=device), d ** -0.5, True, -1, 0.0)[0]
             for b, n in enumerate(lens)])
         errs[fmt] = rel_err(out, truth)
@@ -351,8 +302,8 @@ def test_decode_cuda_graph(backend):
     poison_(out)
     graph.replay()
     torch.cuda.synchronize()
-    truth, base = _decode_truth(q, p, 128 ** -0.5, -1, 0.0)
-    _assert_close_to_truth(out, truth, base, "decode replayed from a CUDA graph")
+    truth, base = decode_truth(q, p, 128 ** -0.5, -1, 0.0)
+    assert_close_to_truth(out, truth, base, "decode replayed from a CUDA graph")
 
 
 @pytest.mark.gpu
@@ -399,16 +350,16 @@ def test_decode_dependent_merge_gpu(backend, fmt, monkeypatch):
                     assert torch.equal(replayed, eager), f"{mode}: a replay differs from the eager call ({lens[:2]})"
             got[mode] = eager
         assert torch.equal(got["auto"], got["off"]), f"dependent and plain merges differ ({lens[:2]}, {hq}/{hkv})"
-        truth, base = _decode_truth(q, p, 128 ** -0.5, -1, 0.0)
-        _assert_close_to_truth(got["auto"], truth, base, "decode with a dependent merge")
+        truth, base = decode_truth(q, p, 128 ** -0.5, -1, 0.0)
+        assert_close_to_truth(got["auto"], truth, base, "decode with a dependent merge")
 
 
-@pytest.mark.parametrize("backend", ["triton"])
-def test_attention_rejects_unsupported_head_dim(backend):
+@runs_triton
+def test_attention_rejects_unsupported_head_dim():
     """head_dim 96 is a valid cache (a multiple of 32) but not one the Triton attention kernels compile for."""
-    ops = backend_ops(backend)
-    p = random_paged([5], 16, 1, 96, torch.int8)
-    q = torch.randn(1, 2, 96).to(torch.bfloat16)
+    ops = backend_ops("triton")
+    p = random_paged([5], 16, 1, 96, torch.int8, device=TRITON_DEVICE)
+    q = torch.randn(1, 2, 96, device=TRITON_DEVICE).to(torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim"):
         ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, 0.1, -1,
                              0.0, torch.empty_like(q))

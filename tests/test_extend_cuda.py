@@ -74,10 +74,13 @@ def attention(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dty
     return torch.einsum("hnl,lhd->nhd", p, vf)
 
 
-def check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, window_left, softcap):
+def check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, window_left, softcap, nan_ok=False):
+    """``nan_ok``: the cache holds non-finite values; the output must be NaN exactly where the truth is, and the
+    rest is compared."""
     dtype = q.dtype
     floor = 0.5 * torch.finfo(dtype).eps
-    assert not out.isnan().any(), "the kernel left NaN (unwritten or wrong) elements"
+    if not nan_ok:
+        assert not out.isnan().any(), "the kernel left NaN (unwritten or wrong) elements"
     worst = []
     for b in range(prefix_t.shape[0]):
         s, e, p = int(cu[b]), int(cu[b + 1]), int(prefix_t[b])
@@ -91,7 +94,12 @@ def check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, win
         args = (q[s:e], kk, vv, q_pos, k_pos, sm_scale, causal, window_left, softcap)
         truth = attention(*args, None)
         base = attention(*args, dtype).to(dtype)
-        err, err_base = rel_err(out[s:e], truth), rel_err(base, truth)
+        o = out[s:e]
+        if nan_ok:
+            assert torch.equal(o.isnan(), truth.isnan()), f"sequence {b}: NaN elements differ from the truth's"
+            finite = truth.isfinite()
+            o, truth, base = o[finite], truth[finite], base[finite]
+        err, err_base = rel_err(o, truth), rel_err(base, truth)
         worst.append((err - 2 * err_base, b, err, err_base))
         assert err <= 2 * err_base + floor, (
             f"sequence {b} (prefix {p}, {e - s} new): kernel error {err:.3e} > 2 x baseline {err_base:.3e} + {floor:.1e}")
@@ -161,12 +169,14 @@ def test_nan_scale_propagates(fmt, which):
     (paged.k_scale if which == "k" else paged.v_scale)[page, 3, 1, 0] = math.nan
     args = (q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale, paged.block_table, prefix_t, cu,
             0.125, True, -1, 0.0)
-    out = torch.zeros_like(q)
+    out = poison_(torch.empty_like(q))
     torch.ops.kvq.extend_attention(*args, out)
     ref = torch.empty_like(q, dtype=torch.float32)
     reference.extend_attention(*args, ref)
     assert ref[:20, 2:].isnan().any() and not ref[:20, :2].isnan().any() and not ref[20:].isnan().any()
     assert torch.equal(out.isnan(), ref.isnan())
+    # Every element the NaN does not reach was written, and is right.
+    check_against_truth(out, paged, q, k, v, cu, prefix_t, 0.125, True, -1, 0.0, nan_ok=True)
 
 
 def test_cuda_graph_replay_with_new_lengths():
@@ -191,10 +201,18 @@ def test_cuda_graph_replay_with_new_lengths():
 
 
 def test_bad_pages_are_not_dereferenced():
-    """With index checks off, pages outside the cache read as zeros instead of faulting."""
+    """With index checks off, pages outside the cache read as zeros instead of faulting (the kernel loads zero
+    values and zero scales for them: keys that score 0 and add nothing to the output), and the rest is attended."""
     paged, q, k, v, cu, prefix_t = make_case([(64, 8)], 4, 2, 64, "q8_0", torch.bfloat16, 16)
+    num_pages = paged.k_cache.shape[0]
+    # The expected result: the same cache with one more page of zeros, and the bad entries pointing at it.
+    zero_page = lambda t: torch.cat([t, torch.zeros_like(t[:1])])
+    expect = replace(paged, k_cache=zero_page(paged.k_cache), v_cache=zero_page(paged.v_cache),
+                     k_scale=zero_page(paged.k_scale), v_scale=zero_page(paged.v_scale),
+                     block_table=paged.block_table.clone())
+    expect.block_table[0, 1:3] = num_pages
     paged.block_table[0, 1] = -3
-    paged.block_table[0, 2] = paged.k_cache.shape[0] + 1000
+    paged.block_table[0, 2] = num_pages + 1000
     out = poison_(torch.empty_like(q))
     kvq.set_index_checks(False)
     try:
@@ -204,6 +222,7 @@ def test_bad_pages_are_not_dereferenced():
     finally:
         kvq.set_index_checks(True)
     assert out.isfinite().all()
+    check_against_truth(out, expect, q, k, v, cu, prefix_t, 0.125, True, -1, 0.0)
 
 
 def test_wrapper_matches_op():

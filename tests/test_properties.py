@@ -18,7 +18,7 @@ import kvq
 from kvq import reference
 from kvq.spec import BLOCK
 
-from common import INTERPRET, backend_ops, poison_
+from common import INTERPRET, TRITON_DEVICE, backend_ops, poison_, runs_triton
 
 FORMATS = {"q8_0": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0)}
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -243,13 +243,14 @@ def test_non_finite_key_or_value_reaches_the_attention_output(case):
 
 # -------------------------------------------------------------------------------- backends agree
 # Few examples: the interpreter is slow, and on a GPU each new shape compiles the kernels again.
+@runs_triton
 @settings(max_examples=max(1, N // 10), deadline=None)
 @given(cases(nonfinite=True), st.sampled_from(["q8_0", "fp8_e4m3", "bf16"]), st.sampled_from([1, 3, 16]),
        st.integers(0, 2**31 - 1))
 def test_triton_store_writes_the_reference_bytes(case, fmt, page_size, seed):
     x, recipe = case
     ops = backend_ops("triton")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE
     t, hkv, d = x.shape
     dt = FORMATS[fmt][0] if fmt in FORMATS else x.dtype
     g = torch.Generator().manual_seed(seed)

@@ -12,7 +12,7 @@ import torch
 from kvq import reference
 from kvq.ops import new_cache
 
-from common import backend_ops, cache_dtype, poison_
+from common import TRITON_DEVICE, backend_ops, backend_params, cache_dtype, device_of, poison_, runs_triton
 
 BACKENDS = ["triton", "cuda"]
 QUANT = {"q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -59,7 +59,11 @@ def _slots(num_tokens, num_pages, page_size, device, skip_every=5):
     return slots.to(device)
 
 
-def check_store(backend, num_tokens, page_size, hkv, d, model_dtype, fmt, device="cpu", strided=False):
+def check_store(backend, num_tokens, page_size, hkv, d, model_dtype, fmt, device=None, strided=False):
+    """``device``: the backend's own (common.device_of) unless given; never CPU tensors for a backend that runs
+    on CUDA ones (torch.ops.kvq would send them to the reference, and Triton could not read them)."""
+    device = device_of(backend) if device is None else device
+    assert device == "cuda" or device_of(backend) == "cpu", f"{backend} cannot run on {device} tensors"
     ops = backend_ops(backend)
     dt = cache_dtype(fmt, model_dtype)
     num_pages = -(-num_tokens // page_size) + 2
@@ -85,7 +89,9 @@ def check_store(backend, num_tokens, page_size, hkv, d, model_dtype, fmt, device
     assert bool((back[slots < 0] == 0).all())
 
 
-CPU_CASES = [  # (tokens, page_size, kv heads, head_dim, model dtype, format)
+# Small cases: each backend runs them on its own device (common.device_of): Triton in the interpreter on CPU
+# tensors without a GPU (compiled, on CUDA tensors, with one), the CUDA kernels on CUDA tensors only (GPU tests).
+SMALL_CASES = [  # (tokens, page_size, kv heads, head_dim, model dtype, format)
     (9, 1, 1, 64, torch.bfloat16, "q8_0"),
     (11, 16, 2, 128, torch.float16, "q8_0"),
     (7, 64, 8, 64, torch.bfloat16, "fp8_e4m3"),
@@ -100,24 +106,25 @@ CPU_CASES = [  # (tokens, page_size, kv heads, head_dim, model dtype, format)
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
+@pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 def test_store_matches_reference(backend, case):
     check_store(backend, *case)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_store_strided_rows(backend):
     """key/value may be views with a row stride larger than head_dim."""
     check_store(backend, 7, 16, 2, 64, torch.bfloat16, "q8_0", strided=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
 def test_store_single_token(backend, fmt):
     ops = backend_ops(backend)
-    key = torch.randn(1, 3, 64).to(torch.bfloat16)
-    got, want = _store_both(ops, key, -key, torch.tensor([37]), 4, 16, QUANT[fmt])
+    device = device_of(backend)
+    key = torch.randn(1, 3, 64, device=device).to(torch.bfloat16)
+    got, want = _store_both(ops, key, -key, torch.tensor([37], device=device), 4, 16, QUANT[fmt])
     _assert_same_bytes(got, want)
 
 
@@ -136,15 +143,17 @@ def test_store_triton_grid_takes_64_bit_indices_past_int32():
             assert not wide, (t, nbt)
 
 
+@runs_triton
 def test_store_triton_skips_out_of_range_slots():
     """The Triton kernels run without index checks: a slot outside the cache is skipped like -1."""
     ops = backend_ops("triton")
-    key = torch.randn(20, 3, 64).to(torch.bfloat16)
+    key = torch.randn(20, 3, 64, device=TRITON_DEVICE).to(torch.bfloat16)
     slots = torch.randperm(3 * 16)[:20]
     bad, good = slots.clone(), slots.clone()
     bad[[1, 9, 19]] = torch.tensor([3 * 16, 10 ** 9, -5])
     good[[1, 9, 19]] = -1
-    (kc, ks), (vc, vs) = (_poisoned(3, 16, 3, 64, torch.int8, "cpu") for _ in range(2))
+    bad, good = bad.to(TRITON_DEVICE), good.to(TRITON_DEVICE)
+    (kc, ks), (vc, vs) = (_poisoned(3, 16, 3, 64, torch.int8, TRITON_DEVICE) for _ in range(2))
     ops.store_kv(key, -key, kc, vc, ks, vs, bad)
     want = _store_both(reference, key, -key, good, 3, 16, torch.int8)[1]
     _assert_same_bytes((kc, vc, ks, vs), want)
@@ -189,9 +198,14 @@ def _special_rows(model_dtype, fmt, tiny=True):
     return x.to(model_dtype).reshape(1, 1, 256).expand(3, 1, 256).contiguous(), expect
 
 
-@pytest.mark.parametrize("device,tiny", [("cpu", True), pytest.param("cuda", True, marks=pytest.mark.gpu),
-                                         pytest.param("cuda", False, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("backend", BACKENDS)
+# Every backend on CUDA tensors (GPU tests), with and without the tiny block; Triton also in the interpreter on
+# CPU tensors where there is no GPU.
+_TIES_RUNS = [pytest.param(b, "cuda", tiny, marks=pytest.mark.gpu) for b in BACKENDS for tiny in (True, False)]
+if TRITON_DEVICE == "cpu":
+    _TIES_RUNS.insert(0, pytest.param("triton", "cpu", True))
+
+
+@pytest.mark.parametrize("backend,device,tiny", _TIES_RUNS)
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
 def test_store_ties_and_non_finite(backend, fmt, model_dtype, device, tiny):
