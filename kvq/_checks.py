@@ -136,6 +136,11 @@ def _check_rows(op, name, t, n, hkv, d, dtypes, dev, *, allow_strided=True):
 def check_store(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
     op = "store_kv"
     num_pages, page_size, hkv, d = check_cache(op, k_cache, v_cache, k_scale, v_scale)
+    # The store writes K and V (and their scales) to separate planes: one plane passed as both loses K.
+    for a, b, what in ((k_cache, v_cache, "k_cache and v_cache"), (k_scale, v_scale, "k_scale and v_scale")):
+        _expect(op, a is None or a.data_ptr() != b.data_ptr(),
+                f"{what} are the same memory, so the values would overwrite the keys; pass separate tensors "
+                "(e.g. two kvq.new_cache calls)")
     dev = k_cache.device
     in_dtypes = FLOAT_DTYPES if k_cache.dtype in QUANT_DTYPES else (k_cache.dtype,)
     _check_rows(op, "key", key, None, hkv, d, in_dtypes, dev)

@@ -337,3 +337,15 @@ def test_each_wrapper_checks_its_inputs_once(monkeypatch):
     bad[6][0] = 10_000
     with pytest.raises(ValueError, match="seq_lens"):
         kvq.decode_attention(*bad[:7], sm_scale=bad[7], out=bad[10])
+
+
+@pytest.mark.parametrize("fmt", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
+def test_one_plane_passed_as_both_k_and_v_is_refused(fmt):
+    """store_kv writes K and V to separate planes; one tensor passed as both would lose the keys."""
+    a = store_args(fmt)
+    a[3] = a[2]
+    _raises(kvq.store_kv, a, "k_cache and v_cache are the same memory")
+    if fmt != torch.bfloat16:
+        a = store_args(fmt)
+        a[5] = a[4]
+        _raises(kvq.store_kv, a, "k_scale and v_scale are the same memory")
