@@ -538,11 +538,18 @@ MUTATIONS = {
 INDEX_MUTATIONS = ("slot out of range", "bad page", "length beyond table", "cu_seqlens_q")
 
 
-def draw_call(rng, device, invalid_share=0.6, mutations=MUTATIONS) -> tuple[Call, list]:
-    """A valid call, or (with probability ``invalid_share``) one with a uniformly drawn kind of breakage."""
+def draw_call(rng, device, invalid_share=0.6, mutations=MUTATIONS, pending=None) -> tuple[Call, list]:
+    """A valid call, or (with probability ``invalid_share``) one with a drawn kind of breakage: uniformly, or with
+    ``pending`` (a list the caller keeps) from shuffled rounds of every kind, so that each kind comes up once per
+    len(mutations) broken calls and a loop of a few hundred calls cannot miss one by chance."""
     if rng.random() >= invalid_share:
         return build(rng.choice(OPS), rng, device), []
-    name = rng.choice(sorted(mutations))
+    if pending is None:
+        name = rng.choice(sorted(mutations))
+    else:
+        if not pending:
+            pending.extend(rng.sample(sorted(mutations), len(mutations)))
+        name = pending.pop()
     while True:  # some kinds need a particular op or shape: draw calls until one applies
         call = build(rng.choice(OPS), rng, device)
         words = mutations[name](call, rng)
@@ -674,9 +681,9 @@ def describe(call: Call) -> str:
 
 def fuzz(iterations, seed, device, exact, direct=None, invalid_share=0.6):
     rng = random.Random(seed)
-    tally, broken, failures = Counter(), Counter(), {}
+    tally, broken, failures, pending = Counter(), Counter(), {}, []
     for i in range(iterations):
-        call, words = draw_call(rng, device, invalid_share)
+        call, words = draw_call(rng, device, invalid_share, pending=pending)
         try:
             run_call(call, words, exact, direct)
         except Exception as e:  # an assertion, or an error other than ValueError
