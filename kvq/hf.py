@@ -212,11 +212,11 @@ class KVQCache(Cache):
                 "larger (max_tokens, num_pages or budget_bytes), or free or reset() other caches on this pool")
         if not self.seqs:
             self.seqs = [p.new_sequence() for _ in range(b)]
-        prefix = self.pool.seq_lens(self.seqs)
-        slots = torch.cat([self.pool.append(s, t) for s in self.seqs])
+        slots = torch.cat([p.append(s, t) for s in self.seqs])
         dev = torch.device(device)
-        return _Step(slots.to(dev), self.pool.block_table(self.seqs).to(dev), self.pool.seq_lens(self.seqs).to(dev),
-                     prefix.to(dev), torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev))
+        prefix = torch.tensor(lens, dtype=torch.int32, device=dev)
+        return _Step(slots.to(dev), p.block_table(self.seqs).to(dev), prefix + t, prefix,
+                     torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.pool.seq_len(self.seqs[0]) if self.seqs else 0

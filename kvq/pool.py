@@ -141,11 +141,14 @@ class KVPool:
     def kv_cost(self, num_tokens: int) -> int:
         """Bytes that ``num_tokens`` tokens of one sequence occupy, counted in whole pages."""
         _check_count("KVPool.kv_cost", "num_tokens", num_tokens)
-        return self.pages_for(num_tokens) * self.page_bytes()
+        return self._page_count(num_tokens) * self.page_bytes()
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that a sequence of ``num_tokens`` tokens occupies."""
         _check_count("KVPool.pages_for", "num_tokens", num_tokens)
+        return self._page_count(num_tokens)
+
+    def _page_count(self, num_tokens: int) -> int:  # for counts already checked
         return -(-num_tokens // self.page_size)
 
     def free_pages(self) -> int:
@@ -197,7 +200,7 @@ class KVPool:
         pages = self._seq(seq)
         _check_count("KVPool.append", "n", n)
         start = self._lens[seq]
-        needed = self.pages_for(start + n) - len(pages)
+        needed = self._page_count(start + n) - len(pages)
         if needed > len(self._free):
             raise KVPoolFullError(
                 f"KVPool: sequence {seq} needs {needed} more page(s) of {self.page_size} tokens to grow from "
