@@ -155,9 +155,7 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   KVQ_CHECK(op, page_bytes <= INT32_MAX, "a page of k_cache holds ", page_bytes, " bytes (page_size x num_kv_heads "
             "x head_dim x ", k_cache.element_size(), "); the CUDA decode kernel takes pages under 2 GiB: use a "
             "smaller page_size");
-  KVQ_CHECK(op, block_table.size(1) * c.page_size <= kMaxPositions, "block_table addresses ",
-            block_table.size(1) * c.page_size, " tokens (max_pages x page_size); the CUDA kernels take at most ",
-            kMaxPositions, ": pass a block table no wider than the longest sequence needs");
+  check_positions(op, block_table, c.page_size, 0);
   if (batch == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);

@@ -69,10 +69,7 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
             " query heads per kv head; the CUDA extend kernel's 32-bit row indices take fewer than ", INT32_MAX);
   KVQ_CHECK(op, batch > 0 || total == 0, "query has ", total, " tokens but cu_seqlens_q describes no sequence; "
             "cu_seqlens_q must have batch + 1 entries ending at the token count");
-  KVQ_CHECK(op, block_table.size(1) * c.page_size + total <= kMaxPositions, "block_table addresses ",
-            block_table.size(1) * c.page_size, " tokens (max_pages x page_size) and query has ", total,
-            " new ones; the CUDA kernels take at most ", kMaxPositions,
-            " positions: pass a block table no wider than the longest sequence needs");
+  check_positions(op, block_table, c.page_size, total);
   if (batch == 0 || total == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);

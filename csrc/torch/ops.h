@@ -142,6 +142,13 @@ inline int compute_major(int device) { return device_attribute<cudaDevAttrComput
 // Token positions the attention kernels take (a block table's max_pages x page_size, plus an extend's new
 // tokens): 2^30 keeps their 32-bit position arithmetic (split spans rounded up to whole tiles) from overflowing.
 constexpr int64_t kMaxPositions = int64_t{1} << 30;
+inline void check_positions(const char* op, const at::Tensor& block_table, int64_t page_size, int64_t new_tokens) {
+  const int64_t paged = block_table.size(1) * page_size;
+  KVQ_CHECK(op, paged + new_tokens <= kMaxPositions, "block_table addresses ", paged, " tokens (max_pages x "
+            "page_size)", new_tokens > 0 ? " and the query has " + std::to_string(new_tokens) + " new ones" : "",
+            "; the CUDA kernels take at most ", kMaxPositions,
+            " positions: pass a block table no wider than the longest sequence needs");
+}
 
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 

@@ -175,6 +175,22 @@ class DependentLaunch {
   cudaLaunchConfig_t cfg_{};
 };
 
+// Lets `kKernel` use `smem` bytes of dynamic shared memory (beyond the default 48 KB) on the current device; the
+// attribute is set once per kernel and device, so that later calls (and CUDA-graph captures) skip it. Atomic, as
+// calls may come from several host threads.
+template <auto kKernel>
+cudaError_t opt_in_smem(int smem) {
+  static std::atomic<bool> opted_in[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool cacheable = dev >= 0 && dev < 64;
+  if (cacheable && opted_in[dev].load(std::memory_order_relaxed)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess && cacheable) opted_in[dev].store(true, std::memory_order_relaxed);
+  return e;
+}
+
 // ------------------------------------------------------------------------------------ quantize
 // One 32-element block is held by a pair of adjacent lanes (16 elements each). The pair agrees on
 // amax, taken with max.NaN: a NaN anywhere makes it NaN and an inf makes it inf, so one instruction per

@@ -11,8 +11,6 @@
 // allocation: CUDA-graph capturable. Scores are in log2 units (log2(e) and sm_scale folded into q).
 #pragma once
 
-#include <atomic>
-
 #include <algorithm>
 
 #include "common.cuh"
@@ -579,17 +577,9 @@ inline cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) 
       return KVQ_DISPATCH_GROUP(group, GMAX, {
         using C = detail::DecodeConfig<S, HD>;
         constexpr int smem = detail::decode_smem_bytes<S, HD, GMAX>();
-        auto kernel = detail::decode_split_kernel<S, HD, GMAX>;
-        // Opt in to > 48 KB of shared memory once per device (outside any graph capture that follows).
-        static std::atomic<bool> opted_in[64];  // atomic: calls may come from several host threads
-        int dev = 0;
-        cudaError_t e = cudaGetDevice(&dev);
+        constexpr auto kernel = detail::decode_split_kernel<S, HD, GMAX>;
+        cudaError_t e = opt_in_smem<kernel>(smem);
         if (e != cudaSuccess) return e;
-        if (dev < 0 || dev >= 64 || !opted_in[dev].load(std::memory_order_relaxed)) {
-          e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-          if (e != cudaSuccess) return e;
-          if (dev >= 0 && dev < 64) opted_in[dev].store(true, std::memory_order_relaxed);
-        }
         kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), C::kWarps * 32, smem, stream>>>(p);
         e = cudaGetLastError();
         if (e != cudaSuccess) return e;

@@ -24,8 +24,6 @@
 // so that the fragment loads of a warp are free of bank conflicts.
 #pragma once
 
-#include <atomic>
-
 #include "decode.cuh"
 #include "tc.cuh"
 
@@ -713,16 +711,9 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
         return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
           return KVQ_DISPATCH_TC_GROUP(group, GMAX, {
             using C = decode_tc::Cfg<S, HD, GMAX>;
-            auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
-            static std::atomic<bool> opted_in[64];  // atomic: calls may come from several host threads
-            int dev = 0;
-            cudaError_t e = cudaGetDevice(&dev);
+            constexpr auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
+            const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
             if (e != cudaSuccess) return e;
-            if (dev < 0 || dev >= 64 || !opted_in[dev].load(std::memory_order_relaxed)) {
-              e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-              if (e != cudaSuccess) return e;
-              if (dev >= 0 && dev < 64) opted_in[dev].store(true, std::memory_order_relaxed);
-            }
             return f(kernel, C::kSmem, C::kWarps);
           });
         });

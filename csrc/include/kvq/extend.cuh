@@ -694,8 +694,7 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   if (splits > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   static_assert(Smem<S, C>::kBytes <= 227 * 1024, "extend: a CTA must fit the shared memory of sm_90");
   constexpr size_t smem = Smem<S, C>::kBytes;
-  cudaError_t err =
-      cudaFuncSetAttribute(extend_kernel<T, S, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  cudaError_t err = opt_in_smem<extend_kernel<T, S, C>>(int(smem));
   if (err != cudaSuccess) return err;
   for (int64_t y0 = 0; y0 < blocks; y0 += 65535) {  // grid y holds at most 65535 row blocks per launch
     const unsigned rows = unsigned(std::min<int64_t>(blocks - y0, 65535));
