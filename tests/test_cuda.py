@@ -293,7 +293,7 @@ def test_cuda_graph_replay_equals_eager(decode_ops, fmt):
 def test_direct_op_calls_refuse_bad_metadata():
     """torch.ops.kvq on CUDA tensors reaches the C++ adapters directly: they refuse, with a ValueError that names
     the problem, what would otherwise reach a kernel (overlapping pages or outputs, no query heads, tokens
-    without a sequence, positions past the kernels' 32-bit arithmetic)."""
+    without a sequence, positions past the kernels' 32-bit arithmetic, one plane passed as both K and V)."""
     p = random_paged([40], 16, 2, 64, torch.int8, device="cuda")
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16, device="cuda")
     table, lens = p.block_table.expand(2, -1), p.seq_lens.expand(2)
@@ -304,6 +304,13 @@ def test_direct_op_calls_refuse_bad_metadata():
     key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="k_cache has a page stride of 1024 elements, less than a page"):
         torch.ops.kvq.store_kv(key, key, half, p.v_cache, p.k_scale, p.v_scale, torch.arange(3, device="cuda"))
+
+    # One plane passed as both K and V: the values would overwrite the keys.
+    slots = torch.arange(3, device="cuda")
+    with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+        torch.ops.kvq.store_kv(key, key, p.k_cache, p.k_cache, p.k_scale, p.v_scale, slots)
+    with pytest.raises(ValueError, match="k_scale and v_scale are the same memory"):
+        torch.ops.kvq.store_kv(key, key, p.k_cache, p.v_cache, p.k_scale, p.k_scale, slots)
 
     # An output whose rows share memory.
     shared = torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda").expand(2, 4, 64)

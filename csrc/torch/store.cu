@@ -17,6 +17,11 @@ void store_kv_cuda(const at::Tensor& key,           // [num_tokens, num_kv_heads
 {
   const char* op = "store_kv";
   const CacheInfo c = check_cache(op, k_cache, v_cache, k_scale, v_scale);
+  // K and V (and their scales) go to separate planes: one plane passed as both would lose the keys.
+  KVQ_CHECK(op, k_cache.data_ptr() != v_cache.data_ptr(), "k_cache and v_cache are the same memory, so the values "
+            "would overwrite the keys; pass separate tensors (e.g. two kvq.new_cache calls)");
+  KVQ_CHECK(op, !c.quantized || k_scale->data_ptr() != v_scale->data_ptr(), "k_scale and v_scale are the same "
+            "memory, so the values' scales would overwrite the keys'; pass separate tensors");
   const auto dev = k_cache.device();
   for (auto* t : {&key, &value}) {
     const char* name = t == &key ? "key" : "value";
