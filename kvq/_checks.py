@@ -138,7 +138,7 @@ def check_store(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) ->
     num_pages, page_size, hkv, d = check_cache(op, k_cache, v_cache, k_scale, v_scale)
     # The store writes K and V (and their scales) to separate planes: one plane passed as both loses K.
     for a, b, what in ((k_cache, v_cache, "k_cache and v_cache"), (k_scale, v_scale, "k_scale and v_scale")):
-        _expect(op, a is None or a.data_ptr() != b.data_ptr(),
+        _expect(op, a is None or a.is_meta or a.data_ptr() != b.data_ptr(),  # meta tensors: no memory, pointer 0
                 f"{what} are the same memory, so the values would overwrite the keys; pass separate tensors "
                 "(e.g. two kvq.new_cache calls)")
     dev = k_cache.device

@@ -108,11 +108,21 @@ def _check(name: str, *args) -> None:
     """The Python checks of op ``name``, once per wrapper call. torch.ops.kvq.* runs them itself where the
     implementation it dispatches to is Python: CPU tensors (the reference), or CUDA tensors under the Triton or
     reference backend. The compiled kernels check shapes in C++, so in front of them (and of a missing
-    backend) the wrapper runs them first, index checks included."""
+    backend) the wrapper runs them first, index checks included. Not while torch.compile traces the wrapper: the
+    registered op checks its inputs itself each time it runs (in C++, or the Python implementation's checks),
+    and a check traced with symbolic sizes could break the graph."""
+    if torch.compiler.is_compiling():
+        return
     devices = {a.device.type for a in args if isinstance(a, Tensor)}
     if devices <= {"cpu"} or (_CUDA_OP_CHECKS and devices <= {"cpu", "cuda"}):
         return
     CHECKS[name](*args)
+
+
+def _check_query(name: str, query) -> None:
+    """The query, before a wrapper sizes its defaults from it (not while traced, as in :func:`_check`)."""
+    if not torch.compiler.is_compiling():
+        _checks.check_tensor(name, "query", query, 3, FLOAT_DTYPES)
 
 
 # ------------------------------------------------------------------------------------------ wrappers
@@ -143,7 +153,7 @@ def decode_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: O
     Returns out, [batch, num_q_heads, head_dim] in the query dtype. Reference: fp32 attention over the
     dequantized cache (:func:`kvq.reference.decode_attention`).
     """
-    _checks.check_tensor("decode_attention", "query", query, 3, FLOAT_DTYPES)  # before it sizes the defaults
+    _check_query("decode_attention", query)
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if sm_scale is None else float(sm_scale)
     out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
     args = (query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, int(window_left),
@@ -166,7 +176,7 @@ def extend_attention(query: Tensor, key: Tensor, value: Tensor, k_cache: Tensor,
     Token i of sequence b sits at position prefix_lens[b] + i; causal keeps keys at positions <= its own.
     Reference: :func:`kvq.reference.extend_attention`.
     """
-    _checks.check_tensor("extend_attention", "query", query, 3, FLOAT_DTYPES)  # before it sizes the defaults
+    _check_query("extend_attention", query)
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if sm_scale is None else float(sm_scale)
     out = torch.empty_like(query, memory_format=torch.contiguous_format) if out is None else out
     args = (query, key, value, k_cache, v_cache, k_scale, v_scale, block_table, prefix_lens, cu_seqlens_q,

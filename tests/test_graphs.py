@@ -200,8 +200,9 @@ def test_same_call_twice_gives_the_same_bytes(fmt, backend):
     assert_close_to_truth(outs[0], *truth, f"extend {fmt}")
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_torch_compile_fullgraph_matches_eager(fmt):
+def test_torch_compile_fullgraph_matches_eager(fmt, dynamic):
     # A small attention layer around the registered ops (the active backend); the arithmetic around them is
     # exact (powers of two), so compiled and eager agree to the bit.
     def layer(q, k, v, slots, kc, vc, ks, vs, bt, lens, qe, ke, ve, prefix, cu):
@@ -210,7 +211,7 @@ def test_torch_compile_fullgraph_matches_eager(fmt):
         e = kvq.extend_attention(qe, ke, ve, kc, vc, ks, vs, bt, prefix, cu, sm_scale=0.09, window_left=50)
         return o.float() * 4, e.float() * 2
 
-    compiled = torch.compile(layer, fullgraph=True)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic)
     p = Pool(fmt)
     cap = p.max_pages * p.page_size
     for lens in ([cap, 17, 1], [3, cap - 1, 64]):
