@@ -180,7 +180,8 @@ def attend(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dtype=
     if window_left >= 0:
         vis &= k_pos[None, :] >= q_pos[:, None] - window_left
     s = s.masked_fill(~vis, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees nothing gives 0
+    # A row that sees nothing gives 0; a NaN score (a NaN in the cache) stays NaN, as the kernels must keep it.
+    p = torch.softmax(s, dim=-1).masked_fill(~vis.any(-1)[None, :, None], 0.0)
     if dtype is not None:
         p = p.to(dtype).float()
     o = torch.einsum("hnl,lhd->nhd", p, v)

@@ -16,7 +16,7 @@ import torch
 import kvq
 from kvq import backends, reference
 
-from common import cache_dtype, poison_, random_paged, rel_err
+from common import attend, cache_dtype, poison_, random_paged, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -51,29 +51,6 @@ def make_case(seqs, hq, hkv, d, fmt, dtype, page_size, scale=1.0):
     return paged, q, k, v, cu, prefix_t
 
 
-def attention(q, k, v, q_pos, k_pos, sm_scale, causal, window_left, softcap, dtype):
-    """q [n, Hq, D], k/v [L, Hkv, D]: float64 truth (dtype None) or the same-precision baseline (dtype)."""
-    n, hq, d = q.shape
-    g = hq // k.shape[1]
-    if dtype is None:
-        qf, kf, vf = q.double(), k.double(), v.double()
-    else:
-        qf, kf, vf = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
-    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
-    s = torch.einsum("nhd,lhd->hnl", qf, kf) * sm_scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    vis = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device)
-    if causal:
-        vis &= k_pos[None, :] <= q_pos[:, None]
-    if window_left >= 0:
-        vis &= k_pos[None, :] >= q_pos[:, None] - window_left
-    p = torch.softmax(s.masked_fill(~vis, -math.inf), -1)
-    if dtype is not None:
-        p = p.to(dtype).float()
-    return torch.einsum("hnl,lhd->nhd", p, vf)
-
-
 def check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, window_left, softcap, nan_ok=False):
     """``nan_ok``: the cache holds non-finite values; the output must be NaN exactly where the truth is, and the
     rest is compared."""
@@ -92,8 +69,8 @@ def check_against_truth(out, paged, q, k, v, cu, prefix_t, sm_scale, causal, win
         k_pos = torch.arange(p + e - s, device=DEV)
         q_pos = k_pos[p:]
         args = (q[s:e], kk, vv, q_pos, k_pos, sm_scale, causal, window_left, softcap)
-        truth = attention(*args, None)
-        base = attention(*args, dtype).to(dtype)
+        truth = attend(*args)
+        base = attend(*args, dtype=dtype)
         o = out[s:e]
         if nan_ok:
             assert torch.equal(o.isnan(), truth.isnan()), f"sequence {b}: NaN elements differ from the truth's"
