@@ -718,8 +718,8 @@ int resident_ctas() {
   if (known == 0) {
     constexpr int smem = int(Smem<S, C>::kBytes);
     int n = 0;
-    const auto kernel = extend_kernel<T, S, C>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+    constexpr auto kernel = extend_kernel<T, S, C>;
+    if (opt_in_smem<kernel>(smem) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, C::kThreads, smem) != cudaSuccess || n <= 0)
       n = 1;
     cached[dev].store(known = n, std::memory_order_relaxed);
