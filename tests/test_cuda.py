@@ -209,6 +209,38 @@ def test_decode_propagates_non_finite_blocks(decode_ops):
     assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+def test_decode_infinite_value_scales_match_the_reference(decode_ops, fmt):
+    """A finite block whose amax / M overflows fp16 stores an infinite scale, and its values dequantize to
+    q * inf: +-inf, or NaN where q == 0. The tensor-core kernel dequantizes q8_0 values for bf16 queries with
+    one FFMA that an infinite scale would turn into inf - inf, so it must take its other path for such tiles:
+    which output columns are NaN, +inf or -inf must be exactly the reference's, and the rest as close."""
+    hkv, d = 2, 128
+    p = random_paged([70, 300], 16, hkv, d, QUANT[fmt], device="cuda")
+    for b, token, head, blk in ((0, 20, 1, 2), (0, 21, 1, 2), (1, 5, 0, 0), (1, 290, 1, 3)):
+        row = torch.randn(1, hkv, d, dtype=torch.bfloat16, device="cuda")
+        row[0, head, 32 * blk:32 * blk + 32] *= 1e8  # amax / 127 (or / 448) > 65504: the fp16 scale is inf
+        row[0, head, 32 * blk + 1] = 0.0  # a zero code: 0 * inf is NaN
+        slot = p.block_table[b, token // 16].long() * 16 + token % 16
+        key = torch.randn(1, hkv, d, dtype=torch.bfloat16, device="cuda")
+        decode_ops.store_kv(key, row, p.k_cache, p.v_cache, p.k_scale, p.v_scale, slot.view(1))
+    assert torch.isinf(p.v_scale.float()).sum() == 4 and not torch.isinf(p.k_scale.float()).any()
+    q = torch.randn(2, 8, d, dtype=torch.bfloat16, device="cuda")
+    out = poison_(torch.empty_like(q))
+    sm = d ** -0.5
+    decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
+                                0.0, out)
+    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
+                               0.0, ref)
+    o = out.float()
+    assert torch.isnan(ref).any() and torch.isposinf(ref).any() and torch.isneginf(ref).any()
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(o), test(ref)), test.__name__
+    finite = torch.isfinite(ref)
+    assert rel_err(o[finite], ref[finite]) <= 2 * rel_err(ref[finite].to(out.dtype), ref[finite]) + 1e-5
+
+
 @pytest.mark.parametrize("sm_scale,softcap", [(math.inf, 0.0), (math.nan, 0.0), (0.1, math.inf)])
 def test_direct_op_call_refuses_non_finite_scalars(sm_scale, softcap):
     """A direct torch.ops.kvq call on CUDA tensors refuses non-finite scalars (the C++ adapter checks them too)."""
