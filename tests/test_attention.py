@@ -43,13 +43,14 @@ def _device(backend, device):
 
 
 def check_decode(backend, fmt, dtype, hq, hkv, d, page_size, lens, window_left=-1, softcap=0.0, strided=False,
-                 device=None, **config):
+                 device=None, q_exp=0, **config):
+    """``q_exp``: the query is multiplied by 2^q_exp and sm_scale by 2^-q_exp (the same logits)."""
     device = _device(backend, device)
     ops = backend_ops(backend)
     p = random_paged(lens, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
-    q = _query((len(lens), hq, d), dtype, device, strided)
+    q = _query((len(lens), hq, d), dtype, device, strided) * 2.0 ** q_exp
     out = poison_(torch.empty(len(lens), hq, d, dtype=dtype, device=device))
-    sm_scale = d ** -0.5
+    sm_scale = d ** -0.5 * 2.0 ** -q_exp
     ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm_scale,
                          window_left, softcap, out, **config)
     truth, base = decode_truth(q, p, sm_scale, window_left, softcap)
@@ -81,6 +82,18 @@ def _ids(case):
 @pytest.mark.parametrize("case", DECODE_SMALL, ids=_ids)
 def test_decode(backend, case):
     check_decode(backend, *case, device=device_of(backend))
+
+
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("q_exp", [-40, 20, 60])
+def test_query_magnitudes_outside_fp16(backend, fmt, q_exp):
+    """bf16 queries far above fp16's range and far below its normal range. Over an 8-bit cache the dot
+    products run in fp16 (the codes are exact there), so each query row is multiplied by a power of two before
+    its fp16 rounding and the scores are multiplied back: the result must match as at unit scale."""
+    device = device_of(backend)
+    check_decode(backend, fmt, torch.bfloat16, 8, 2, 128, 16, [70, 33], q_exp=q_exp, device=device)
+    check_extend(backend, fmt, torch.bfloat16, 8, 2, 64, 16, [40, 0], [17, 9], q_exp=q_exp, device=device)
 
 
 @runs_triton
@@ -196,7 +209,7 @@ def test_decode_large_batch_gpu(backend, fmt, batch, heads):
 
 
 def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal=True, window_left=-1,
-                 softcap=0.0, strided=False, device=None):
+                 softcap=0.0, strided=False, device=None, q_exp=0):
     device = _device(backend, device)
     ops = backend_ops(backend)
     p = random_paged(prefix, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
@@ -204,11 +217,11 @@ def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal
     for n in new:
         cu.append(cu[-1] + n)
     total = cu[-1]
-    q = _query((total, hq, d), dtype, device, strided)
+    q = _query((total, hq, d), dtype, device, strided) * 2.0 ** q_exp
     key = _query((total, hkv, d), dtype, device, strided)
     value = _query((total, hkv, d), dtype, device, False)
     out = poison_(torch.empty(total, hq, d, dtype=dtype, device=device))
-    sm_scale = d ** -0.5
+    sm_scale = d ** -0.5 * 2.0 ** -q_exp
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     ops.extend_attention(q, key, value, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
                          cu_t, sm_scale, causal, window_left, softcap, out)

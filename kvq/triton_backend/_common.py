@@ -90,6 +90,17 @@ def scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def fp16_row_scale(amax):
+    """2^k per query row ([R] fp32, from the row's largest magnitude ``amax``) that brings that magnitude into
+    [2^14, 2^15). Over an 8-bit cache a query goes to the tensor cores in fp16; a bf16 row times 2^k is exact
+    there whatever its magnitude (but for elements more than 2^28 below its largest), and the scores are
+    multiplied back by 2^-k, exactly. A zero or non-finite row gets k = 0; k is clamped to [-120, 100]."""
+    ex = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    k = tl.where((amax > 0.0) & (amax < float("inf")), tl.minimum(tl.maximum(14 - ex, -120), 100), 0)
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def softmax_step(s, v, m_i, l_i, acc, DT: tl.constexpr, INTERP: tl.constexpr):
     """One online-softmax update with masked logits ``s [M, N]`` (-inf = hidden) and values ``v [N, D]`` in
     ``DT``; P is cast to ``DT`` before P @ V, as on tensor cores. A row that has seen nothing keeps m = -inf."""
@@ -158,7 +169,9 @@ def dequant_f16(raw, scale, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: t
     The 8-bit code is exact in fp16 and its product with an fp16 scale is exact in fp32, so one fp16
     multiply rounds exactly like the fp32 product cast to fp16. The attention kernels feed these fp16 values
     to the tensor cores whatever the query dtype (int8 and e4m3 codes are not all exact in bf16 with a
-    scale applied, and fp16 keeps 3 more bits), so on the 8-bit path |q|, |k|, |v| must stay below 65504.
+    scale applied, and fp16 keeps 3 more bits). Queries are brought into fp16's range first (fp16_row_scale)
+    and the decode applies key scales after its dots, but values, and the keys of the extend's prefix, are
+    these fp16 products: on the Triton 8-bit path |v| (and |k| in extend) must stay below 65504.
     """
     if INTERP:
         return dequant(raw, scale, FMT).to(tl.float16)

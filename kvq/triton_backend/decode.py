@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ._common import (_I8_TO_F16, FMT_PLAIN, FMT_Q8_0, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim,
-                      dequant, dequant_f16, has_e4m3_cvt, has_pdl, i8x4_to_f16x2_ptx, page_of, scores, softmax_step,
-                      upcast)
+                      dequant, dequant_f16, fp16_row_scale, has_e4m3_cvt, has_pdl, i8x4_to_f16x2_ptx, page_of, scores,
+                      softmax_step, upcast)
 
 _LOG2E = 1.4426950408889634
 
@@ -101,10 +101,17 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
     d = tl.arange(0, D)
     rows = h * G + g  # query heads of this kv head
     q = tl.load(q_ptr + b * sq_b + rows[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
-    if INTERP:
-        q = upcast(upcast(q, INTERP).to(CT), INTERP)  # see _common: the interpreter's bf16 tl.dot is wrong
+    if FMT == 0:
+        qk_row = qk_scale
+        if INTERP:
+            q = upcast(q, INTERP)  # see _common: the interpreter's bf16 tl.dot is wrong
     else:
-        q = q.to(CT)
+        q = upcast(q, INTERP)
+        mul = fp16_row_scale(tl.max(tl.abs(q), axis=1))[:, None]  # see fp16_row_scale
+        qk_row = qk_scale / mul
+        q = (q * mul).to(CT)
+        if INTERP:
+            q = upcast(q, INTERP)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -118,7 +125,7 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
         if INTERP:
             k = upcast(k, INTERP)
         s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N] fp32
-        s = tl.where(keep[None, :], scores(s, qk_scale, softcap, SOFTCAP), float("-inf"))
+        s = tl.where(keep[None, :], scores(s, qk_row, softcap, SOFTCAP), float("-inf"))
         v = _load_tile(vc_ptr, vs_ptr, page, off, h, keep[:, None], d[None, :], sv_page,
                        PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, CT, INTERP)
@@ -224,14 +231,20 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
     q_row = q_ptr + b * sq_b + rows[:, None] * sq_h + e[None, :]
     # Triton cannot index a tensor's columns dynamically: the query and the accumulator are kept as NB
     # [GP, 32] blocks (tuples, unrolled with static_range).
+    q32 = ()
+    amax = tl.zeros([GP], tl.float32)
+    for bb in tl.static_range(NB):
+        qb = upcast(tl.load(q_row + bb * 32, mask=(g < G)[:, None], other=0.0), INTERP)
+        amax = tl.maximum(amax, tl.max(tl.abs(qb), axis=1))
+        q32 = q32 + (qb,)
+    mul = fp16_row_scale(amax)[:, None]  # see fp16_row_scale
+    qk_row = qk_scale / mul
     qs = ()
     accs = ()
     for bb in tl.static_range(NB):
-        qb = tl.load(q_row + bb * 32, mask=(g < G)[:, None], other=0.0)
+        qb = (q32[bb] * mul).to(tl.float16)
         if INTERP:
-            qb = upcast(upcast(qb, INTERP).to(tl.float16), INTERP)
-        else:
-            qb = qb.to(tl.float16)
+            qb = upcast(qb, INTERP)
         qs = qs + (qb,)
         accs = accs + (tl.zeros([GP, 32], tl.float32),)
 
@@ -262,7 +275,7 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
             kb = _codes(k_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
             ksb = _half(kws[bb // 2], bb % 2) * SCALE_MUL
             s += tl.dot(qs[bb], tl.trans(kb)) * ksb[None, :]
-        s = tl.where(keep[None, :], scores(s, qk_scale, softcap, SOFTCAP), float("-inf"))
+        s = tl.where(keep[None, :], scores(s, qk_row, softcap, SOFTCAP), float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, has_e4m3_cvt,
-                      page_of, scores, softmax_step, upcast)
+from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, fp16_row_scale,
+                      has_e4m3_cvt, page_of, scores, softmax_step, upcast)
 from .decode import _LOG2E, _load_tile
 
 
@@ -62,9 +62,16 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
     q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + d[None, :], mask=rmask[:, None], other=0.0)
     if INTERP:
         q = upcast(q, INTERP)  # see _common: the interpreter's bf16 tl.dot is wrong
-        qc = upcast(q.to(CT), INTERP)
+    if FMT == 0:
+        qc = q
+        qk_row = qk_scale
     else:
-        qc = q.to(CT)
+        q32 = upcast(q, INTERP)
+        mul = fp16_row_scale(tl.max(tl.abs(q32), axis=1))[:, None]  # see fp16_row_scale
+        qk_row = qk_scale / mul
+        qc = (q32 * mul).to(CT)
+        if INTERP:
+            qc = upcast(qc, INTERP)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -80,7 +87,7 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
                        PAGE_SIZE, HKV, D, FMT, INTERP, E4M3_CVT)
         if INTERP:
             k = upcast(k, INTERP)
-        s = scores(tl.dot(qc, tl.trans(k)), qk_scale, softcap, SOFTCAP)
+        s = scores(tl.dot(qc, tl.trans(k)), qk_row, softcap, SOFTCAP)
         vis = keep[None, :] & ((window_left < 0) | (n[None, :] >= (prefix + m)[:, None] - window_left))
         s = tl.where(vis, s, float("-inf"))
         v = _load_tile(vc_ptr, vs_ptr, page, off, hk, keep[:, None], d[None, :], svc_page,
