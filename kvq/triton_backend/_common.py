@@ -101,6 +101,24 @@ def fp16_row_scale(amax):
 
 
 @triton.jit
+def scaled_fp16(x, mul, INTERP: tl.constexpr):
+    """fp32 ``x * mul`` as fp16 (widened back to fp32 under the interpreter, see upcast)."""
+    x = (x * mul).to(tl.float16)
+    if INTERP:
+        x = upcast(x, INTERP)
+    return x
+
+
+@triton.jit
+def fp16_query(q, qk_scale, INTERP: tl.constexpr):
+    """A query tile ``[R, D]`` for fp16 dots over an 8-bit cache, each row times its fp16_row_scale, and the
+    logit scale per row ``[R, 1]`` that takes the scores back."""
+    q32 = upcast(q, INTERP)
+    mul = fp16_row_scale(tl.max(tl.abs(q32), axis=1))[:, None]
+    return scaled_fp16(q32, mul, INTERP), qk_scale / mul
+
+
+@triton.jit
 def softmax_step(s, v, m_i, l_i, acc, DT: tl.constexpr, INTERP: tl.constexpr):
     """One online-softmax update with masked logits ``s [M, N]`` (-inf = hidden) and values ``v [N, D]`` in
     ``DT``; P is cast to ``DT`` before P @ V, as on tensor cores. A row that has seen nothing keeps m = -inf."""

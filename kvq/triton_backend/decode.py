@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ._common import (_I8_TO_F16, FMT_PLAIN, FMT_Q8_0, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim,
-                      dequant, dequant_f16, fp16_row_scale, has_e4m3_cvt, has_pdl, i8x4_to_f16x2_ptx, page_of, scores,
-                      softmax_step, upcast)
+                      dequant, dequant_f16, fp16_query, fp16_row_scale, has_e4m3_cvt, has_pdl, i8x4_to_f16x2_ptx,
+                      page_of, scaled_fp16, scores, softmax_step, upcast)
 
 _LOG2E = 1.4426950408889634
 
@@ -106,12 +106,7 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
         if INTERP:
             q = upcast(q, INTERP)  # see _common: the interpreter's bf16 tl.dot is wrong
     else:
-        q = upcast(q, INTERP)
-        mul = fp16_row_scale(tl.max(tl.abs(q), axis=1))[:, None]  # see fp16_row_scale
-        qk_row = qk_scale / mul
-        q = (q * mul).to(CT)
-        if INTERP:
-            q = upcast(q, INTERP)
+        q, qk_row = fp16_query(q, qk_scale, INTERP)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -242,10 +237,7 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
     qs = ()
     accs = ()
     for bb in tl.static_range(NB):
-        qb = (q32[bb] * mul).to(tl.float16)
-        if INTERP:
-            qb = upcast(qb, INTERP)
-        qs = qs + (qb,)
+        qs = qs + (scaled_fp16(q32[bb], mul, INTERP),)
         accs = accs + (tl.zeros([GP, 32], tl.float32),)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, fp16_row_scale,
+from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, check_head_dim, fp16_query,
                       has_e4m3_cvt, page_of, scores, softmax_step, upcast)
 from .decode import _LOG2E, _load_tile
 
@@ -66,12 +66,7 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
         qc = q
         qk_row = qk_scale
     else:
-        q32 = upcast(q, INTERP)
-        mul = fp16_row_scale(tl.max(tl.abs(q32), axis=1))[:, None]  # see fp16_row_scale
-        qk_row = qk_scale / mul
-        qc = (q32 * mul).to(CT)
-        if INTERP:
-            qc = upcast(qc, INTERP)
+        qc, qk_row = fp16_query(q, qk_scale, INTERP)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
