@@ -46,6 +46,13 @@ struct Cfg {
   // 32-element block per 4 threads, which a 32-byte pad keeps free of bank conflicts.
   static constexpr bool kSwizzle = !kQuant && kNC >= 8;
   static constexpr int kKStride = kQuant ? kRowBytes + 32 : kRowBytes;
+  // L2 prefetch hint of the row copies (cp_async16), measured on an H200 against none or the other size:
+  // unquantized rows 128 bytes (1.5-3% less time for bf16 from 4k tokens at 32/8 d128, 16/2 d256, 9/3 d64, batch
+  // 1-64; 256 bytes up to 5% more); 8-bit rows at head_dim 128 256 bytes (1-2.5% less at 32/8 heads, batch 8 with
+  // 128k tokens and batch 64 with 4k-32k, within 0.5% at batch 1 and batch 8 with 32k; 128 bytes had been mixed:
+  // up to 8% more at batch 8-64 with 128k). At head_dim 64 256 bytes ranged from 12% less (9/3 heads, batch 64
+  // with 4k) to 14% more (batch 1 with 128k), and at 256 it stayed within 1.3%, so those copy without one.
+  static constexpr int kPrefetch = !kQuant ? 128 : (HD == 128 ? 256 : 0);
   static constexpr int kVStride = kRowBytes + 16;
   static constexpr int kNB = HD / kBlock;
   static constexpr int kScaleBytes = kQuant ? kNB * 2 : 0;  // per row
@@ -274,11 +281,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);
 
   // Copies of tile c (tokens first + c * step + [0, 16)) into stage c % kStages, and its validity mask.
-  // Unquantized rows carry the .L2::128B hint: on an H200 that took 1.5-3% less time for bf16 from 4k tokens
-  // (32/8 heads d128, 16/2 d256, 9/3 d64; batch 1-64). On 8-bit rows of 128 bytes and more it was mixed (1%
-  // less at batch 1, up to 8% more at batch 8-64 with 128k tokens), on all 8-bit copies up to 6% more at d64.
-  // Lane copies 16-byte piece lane % kNC of rows i * kRPI + lane / kNC, and the scales of row lane % 16
-  // (keys in lanes 0-15, values in 16-31). A tile inside one page (the common case: page sizes that are
+  // Row copies carry the L2 prefetch hint of Cfg::kPrefetch. Lane copies 16-byte piece lane % kNC of rows
+  // i * kRPI + lane / kNC, and the scales of row lane % 16 (keys in lanes 0-15, values in 16-31). A tile inside one page (the common case: page sizes that are
   // multiples of 16) reads one block-table entry and finds its rows by addition from pointers fixed before
   // the loop, one 64-bit multiply per tensor; a tile that straddles pages looks up each row's page. (Per-tile
   // 64-bit offsets from the page and row had been about 145 of the 462 instructions of a q8_0 tile at head_dim
@@ -320,8 +324,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
     auto copy = [&](int i, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
       const int r = i * kRPI + r_lane;
       const int kphys = C::kSwizzle ? piece ^ ((r & 1) << 2) : piece;
-      cp_async16<!kQuant>(st_addr + C::kKOff + r * C::kKStride + kphys * 16, ksrc, ok ? 16 : 0);
-      cp_async16<!kQuant>(st_addr + C::kVOff + r * C::kVStride + piece * 16, vsrc, ok ? 16 : 0);
+      cp_async16<C::kPrefetch>(st_addr + C::kKOff + r * C::kKStride + kphys * 16, ksrc, ok ? 16 : 0);
+      cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + piece * 16, vsrc, ok ? 16 : 0);
     };
     uint32_t valid;  // bit r: row r of the tile is a visible token
     if (off0 + kTile <= p.page_size) {

@@ -16,11 +16,14 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy; src_bytes == 0 writes zeros and reads nothing. kLine adds the hint that L2 fetch the
-// whole 128-byte line around the 16 bytes (.L2::128B).
-template <bool kLine = false>
+// 16-byte async copy; src_bytes == 0 writes zeros and reads nothing. kPrefetch 128 or 256 adds the hint that
+// L2 fetch the whole 128- or 256-byte block around the 16 bytes (.L2::128B, .L2::256B).
+template <int kPrefetch = 0>
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  if constexpr (kLine) {
+  static_assert(kPrefetch == 0 || kPrefetch == 128 || kPrefetch == 256, "cp.async L2 prefetch sizes");
+  if constexpr (kPrefetch == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else if constexpr (kPrefetch == 128) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
   } else {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
