@@ -161,7 +161,7 @@ def pinned_cuda_kernel(setter: str, choice: str):
     ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp": kv heads of the
     tensor-core decode per CTA or per warp), ``"set_decode_pdl"`` ("auto", "off": the decode merge launched as a
     programmatic dependent of the split kernel where the device can), ``"set_extend_shape"`` ("auto", "wide",
-    "deep", "tall") or ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged
+    "deep", "tall", "small") or ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged
     after). For tests and benchmarks, which must reach every kernel whatever shape the rules would pick by."""
     from kvq import _C
 

@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Where the Triton kernels run: compiled, on CUDA tensors, where there is a GPU; else in Triton's interpreter on
 # CPU tensors (conftest sets TRITON_INTERPRET=1 on a machine without a GPU).
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-CUDA_BACKENDS = ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-split")
+CUDA_BACKENDS = ("cuda", "cuda-fma", "cuda-warp", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-small", "cuda-split")
 
 
 def device_of(backend: str) -> str:
@@ -108,9 +108,9 @@ def backend_ops(name: str):
     ``cuda-warp`` with the tensor-core decode kernel mapping one kv head per warp (the rule does so only for
     8-bit caches whose splits are long enough; where the kv heads do not divide into its warps, in CTAs of fewer
     warps: three at 9/3 heads, two at 16/2; a prime number of kv heads above four keeps one per CTA);
-    ``cuda-wide`` / ``cuda-deep`` / ``cuda-tall`` with the extend kernel held to one CTA shape (the rule picks by
-    estimated time, so small test shapes would otherwise only reach one); ``cuda-split`` with the keys of each
-    extend row block split over three CTAs and merged (the rule splits only long prefixes).
+    ``cuda-wide`` / ``cuda-deep`` / ``cuda-tall`` / ``cuda-small`` with the extend kernel held to one CTA shape (the
+    rule picks by estimated time, so small test shapes would otherwise only reach one); ``cuda-split`` with the keys
+    of each extend row block split over three CTAs and merged (the rule splits only long prefixes).
     """
     if name == "reference":
         return reference

@@ -20,7 +20,8 @@ from common import (FORMATS, TRITON_DEVICE, assert_close_to_truth, attend, backe
 BACKENDS = ["triton", "cuda"]
 # The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps.
 DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp"]
-EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall", "cuda-split"]  # extend CTA shapes, key splits
+# extend CTA shapes, key splits
+EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall", "cuda-small", "cuda-split"]
 
 
 def _query(shape, dtype, device, strided):

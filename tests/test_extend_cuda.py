@@ -26,9 +26,9 @@ DEV = "cuda"
 RAGGED = [(0, 1), (17, 2), (64, 31), (0, 32), (5, 33), (100, 63), (1, 64), (300, 65), (33, 130), (0, 0), (40, 3)]
 
 
-@pytest.fixture(autouse=True, params=["auto", "wide", "deep", "tall", "wide/3", "deep/2", "tall/4"])
+@pytest.fixture(autouse=True, params=["auto", "wide", "deep", "tall", "small", "wide/3", "deep/2", "tall/4", "small/2"])
 def _cuda_active(request):
-    """Every test runs with the CTA shape and key splits picked by the rule, held to each of the three shapes, and
+    """Every test runs with the CTA shape and key splits picked by the rule, held to each of the four shapes, and
     with each shape's keys split over 2 to 4 CTAs and merged (the rule splits only long prefixes)."""
     if backends.selection().active != "cuda":
         pytest.skip(f"the cuda backend is not active: {backends.selection().reasons.get('cuda')}")

@@ -48,7 +48,7 @@ static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
 
 #ifdef KVQ_HAS_EXTEND
 static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "wide", "deep", "tall"};
+  static const char* const names[] = {"auto", "wide", "deep", "tall", "small"};
   return choose(arg, names, kvq_set_extend_shape, "extend CTA shape");
 }
 
@@ -71,7 +71,8 @@ static PyMethodDef kMethods[] = {
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' or "
-     "'tall' (8-bit caches where the device's shared memory holds it, else wide); returns the previous."},
+     "'tall' (8-bit caches where the device's shared memory holds it, else wide) or 'small' (deep's warps halved; "
+     "deep and small are wide at head_dim 256); returns the previous."},
     {"set_extend_splits", set_extend_splits, METH_O,
      "Split the keys of each CUDA extend row block over CTAs and merge: 'auto' (by estimated time) or '1' to '4'; "
      "returns the previous."},

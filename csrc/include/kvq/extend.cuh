@@ -7,12 +7,13 @@
 // pages) and to the new keys of its own sequence (exact, query dtype); causal keeps keys at positions
 // <= its own, a window keeps keys at positions >= p - window_left, softcap maps s to cap * tanh(s / cap).
 //
-// Work split. A CTA owns BLOCK_M = 128 rows (64 at head_dim 256, 256 for "tall"), where a "row" is one
-// (token, q head) pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each other, so
-// every K/V tile read (and dequantized) once serves all G heads. Three CTA shapes: "wide", 4 warps of 32 rows
+// Work split. A CTA owns BLOCK_M = 128 rows (64 at head_dim 256 and for "small", 256 for "tall"), where a "row"
+// is one (token, q head) pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each other,
+// so every K/V tile read (and dequantized) once serves all G heads. Four CTA shapes: "wide", 4 warps of 32 rows
 // (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas), "deep", 8 warps of 16 rows
-// (more warps to hide latency when there are too few CTAs for two per SM) and, for 8-bit caches, "tall", 8
-// warps of 32 rows (each dequantized tile serves 256 rows); plan_shape picks by estimated time. Sequence b
+// (more warps to hide latency when there are too few CTAs for two per SM), "small", 4 warps of 16 rows (a short
+// plain prefill in one wave) and, for 8-bit caches, "tall", 8 warps of 32 rows (each dequantized tile serves 256
+// rows); plan_shape picks by estimated time and two rules for causal chunks over short prefixes. Sequence b
 // owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (Hkv, cdiv(total * G, BLOCK_M)
 // + B, key splits) depends on shapes only, and each CTA finds its sequence by binary search, so the launch is
 // CUDA-graph capturable.
@@ -59,7 +60,8 @@ struct ExtendParams {
   int batch = 0, total_q = 0, num_q_heads = 0;
   int num_sms = 1;                // of the device: picks the CTA shape
   int max_smem = 99 * 1024;       // opt-in shared memory per CTA of the device, bytes: may rule out "tall"
-  int shape = 0;                  // CTA shape: 0 by extend_plan, 1 wide, 2 deep, 3 tall (8-bit only, else wide)
+  int shape = 0;                  // CTA shape: 0 by extend_plan, 1 wide, 2 deep, 3 tall (8-bit only, else wide),
+                                  // 4 small; deep and small need head_dim <= 128, else wide
   int num_splits = 0;             // key ranges per row block: 0 by extend_plan; > 1 needs the workspace
   float* workspace = nullptr;     // extend_workspace_floats() floats: the splits' partials, combined by a merge
   bool dependent_merge = false;   // launch the merge as a programmatic dependent of the split kernel (sm_90+)
@@ -72,7 +74,7 @@ struct ExtendParams {
 };
 
 struct ExtendPlan {
-  int shape, splits;  // as ExtendParams::shape (1 wide, 2 deep, 3 tall) and ::num_splits, both resolved
+  int shape, splits;  // as ExtendParams::shape (1 wide, 2 deep, 3 tall, 4 small) and ::num_splits, both resolved
 };
 
 namespace extend_detail {
@@ -96,6 +98,10 @@ using WideCfg = Cfg<D, D == 64 ? 64 : (D == 256 && StorageTraits<S>::kQuantized 
 // more than sm_89 and sm_120 have (16-key tiles fit, but cost 30% over bf16 on an H200), so there it is not used.
 template <int D>
 using TallCfg = Cfg<D, D == 64 ? 64 : 32, 2, 8>;
+// One m-tile per warp with Q in registers and 64-key tiles (head_dim <= 128): the "deep" CTA of 8 warps (128 rows)
+// and the "small" one of 4 warps (64 rows), whose row blocks split a short causal chunk's work finer.
+template <int D, int W>
+using DeepCfg = Cfg<D, 64, 1, W>;
 
 // Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
 // words, each written and read back by the same thread; two tiles' worth of page numbers. A CTA of one
@@ -106,7 +112,7 @@ using TallCfg = Cfg<D, D == 64 ? 64 : 32, 2, 8>;
 template <typename S, typename C>
 struct Smem {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
-  static constexpr bool kQInRegs = C::kMTiles == 1 && C::kWarps == 8;
+  static constexpr bool kQInRegs = C::kMTiles == 1 && C::kD <= 128;  // deep and small (wide at d256 has one too)
   static constexpr int kTile = C::kBlockN * C::kD * 2;        // a K or V tile in T
   static constexpr int kStage = 2 * kTile;
   static constexpr int kRaw = kQuant ? C::kBlockN * C::kD : 0;  // K or V raw rows
@@ -727,9 +733,9 @@ int resident_ctas() {
   return known;
 }
 
-// Three shapes of CTA for head_dim <= 128: "wide" (4 warps of two m-tiles, 128 rows: fewer shared memory reads
+// Shapes of CTA for head_dim <= 128: "wide" (4 warps of two m-tiles, 128 rows: fewer shared memory reads
 // per mma than deep, two CTAs per H200 SM), "deep" (8 warps of one m-tile, 128 rows, Q in registers, 64-key
-// tiles) and, for 8-bit caches, "tall" (8 warps of two m-tiles, 256 rows, one CTA per SM), which dequantizes
+// tiles), "small" (deep's warps halved, only by the rule for plain prefills below) and, for 8-bit caches, "tall" (8 warps of two m-tiles, 256 rows, one CTA per SM), which dequantizes
 // each tile once per 256 rows instead of 128. The launcher takes the shape of least estimated time: waves of
 // CTAs (CTAs with rows to do, over resident CTAs x SMs, rounded up) x the rows an SM holds in a wave x a cost
 // per row of the shape. The costs are times per row with every SM full, measured on an H200 at 1024 new tokens
@@ -790,12 +796,17 @@ ExtendPlan plan_shape(const ExtendParams& p) {
   int s_wide = 1;
   const double wide = best(Wide::kBlockM, resident_ctas<T, S, Wide>(), kShapeCosts<kQuant, D>.wide, s_wide);
   if constexpr (D <= 128) {
-    using Deep = Cfg<D, 64, 1, 8>;
+    using Deep = DeepCfg<D, 8>;
+    using Small = DeepCfg<D, 4>;
     using Tall = TallCfg<D>;
     static_assert(Deep::kBlockM == Wide::kBlockM, "the same rows per CTA");
     int s_deep = 1;
     const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kShapeCosts<kQuant, D>.deep, s_deep);
     if (p.shape == 2) return {2, s_deep};
+    int s_small = 1;
+    const int small_resident = resident_ctas<T, S, Small>();
+    best(Small::kBlockM, small_resident, kShapeCosts<kQuant, D>.deep, s_small);
+    if (p.shape == 4) return {4, s_small};
     // The estimate counts waves of equal CTAs. Under a causal mask, rows whose keys are mostly their own chunk's
     // (the block table addresses fewer keys than twice a sequence's new tokens: a prefill, or a prefix shorter
     // than the chunk) make unequal ones: the late row blocks, dispatched first, see all the keys and the early
@@ -805,7 +816,16 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     // deep 49.4, the estimate's pick 74.3; 768 tokens q8_0 35.2 against 58.1; 1024 over a 1024 prefix q8_0
     // 141.5 against 148.5; d64 768 tokens bf16 23.2 against 30.7. Past that (d128 1536 tokens) wide and tall
     // are faster again.
+    // Where the table addresses at most a quarter of the chunk's keys (a plain prefill) and small CTAs, half
+    // deep's rows, all fit one wave, those: the heavy row blocks end sooner, with the light ones beside them. On
+    // an H200 (no prefix, bf16 / q8_0, deep against small): 32/8 d128 256 new tokens 13.0 / 13.6 -> 11.4 / 11.7
+    // us, 512 21.3 / 22.2 -> 20.8 / 21.7; 32/8 d64 512 14.6 / 16.7 -> 13.3 / 15.4; 9/3 d64 1024 24.2 / 28.4 ->
+    // 19.7 / 23.9. Not beyond one wave (32/8 d128 768 tokens 29.1 -> 31.0, 1024 42.5 -> 47.6), nor over a prefix
+    // as long as the chunk (512 over 512 40.0 -> 44.1), where every block reads all of it twice as often.
     const bool triangle = p.causal && p.window_left < 0 && table_keys < 2 * chunk;
+    if (p.shape == 0 && triangle && 4 * table_keys <= chunk &&
+        ctas_of(Small::kBlockM) <= int64_t(small_resident) * p.num_sms)
+      return {4, s_small};
     if (p.shape == 0 && triangle && ctas_of(Wide::kBlockM) <= 2 * int64_t(p.num_sms)) return {2, s_deep};
     if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
       if (p.shape != 1 && Smem<S, Tall>::kBytes <= size_t(p.max_smem)) {
@@ -825,7 +845,8 @@ cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
     if constexpr (StorageTraits<S>::kQuantized) {
       if (p.shape == 3) return launch<T, S, TallCfg<D>>(p, stream);
     }
-    if (p.shape == 2) return launch<T, S, Cfg<D, 64, 1, 8>>(p, stream);
+    if (p.shape == 2) return launch<T, S, DeepCfg<D, 8>>(p, stream);
+    if (p.shape == 4) return launch<T, S, DeepCfg<D, 4>>(p, stream);
   }
   return launch<T, S, WideCfg<S, D>>(p, stream);
 }
@@ -876,7 +897,7 @@ inline int64_t extend_workspace_floats(const ExtendParams& p, const ExtendPlan& 
 // splits > 1 need the workspace at p.workspace). Returns the launch error; nothing synchronizes with the host.
 inline cudaError_t extend_attention(const ExtendParams& p, const ExtendPlan& plan, cudaStream_t stream) {
   if (p.total_q == 0 || p.batch == 0) return cudaSuccess;
-  if (!extend_detail::valid(p) || plan.shape < 1 || plan.shape > 3 || plan.splits < 1) return cudaErrorInvalidValue;
+  if (!extend_detail::valid(p) || plan.shape < 1 || plan.shape > 4 || plan.splits < 1) return cudaErrorInvalidValue;
   return extend_detail::dispatch(p, [&](auto t, auto s, auto d) {
     ExtendParams q = p;
     q.shape = plan.shape, q.num_splits = plan.splits;
