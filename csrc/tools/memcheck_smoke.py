@@ -1,4 +1,4 @@
-"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels and all three
+"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels and all four
 extend CTA shapes.
 
     compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py      # out-of-range slots and pages
@@ -62,7 +62,8 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         qx = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
         kx, vx = torch.randn(2, t, hkv, d, dtype=torch.bfloat16, device=dev).unbind(0)
         outx = torch.empty_like(qx)
-        for shape, splits in (("wide", "1"), ("deep", "1"), ("tall", "1"), ("wide", "3"), ("deep", "2"), ("tall", "4")):
+        for shape, splits in (("wide", "1"), ("deep", "1"), ("tall", "1"), ("small", "1"), ("wide", "3"), ("deep", "2"),
+                              ("tall", "4"), ("small", "2")):
             with pinned("set_extend_shape", shape), pinned("set_extend_splits", splits):
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)

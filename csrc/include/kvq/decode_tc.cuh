@@ -48,7 +48,7 @@ struct Cfg {
   static constexpr int kKStride = kQuant ? kRowBytes + 32 : kRowBytes;
   // L2 prefetch hint of the row copies (cp_async16), measured on an H200 against none or the other size:
   // unquantized rows 128 bytes (1.5-3% less time for bf16 from 4k tokens at 32/8 d128, 16/2 d256, 9/3 d64, batch
-  // 1-64; 256 bytes up to 5% more); 8-bit rows at head_dim 128 256 bytes (1-2.5% less at 32/8 heads, batch 8 with
+  // 1-64; 256 bytes up to 5% more); 8-bit rows at head_dim 128 256 bytes (0.8-2.5% less at 32/8 heads, batch 8 with
   // 128k tokens and batch 64 with 4k-32k, within 0.5% at batch 1 and batch 8 with 32k; 128 bytes had been mixed:
   // up to 8% more at batch 8-64 with 128k). At head_dim 64 256 bytes ranged from 12% less (9/3 heads, batch 64
   // with 4k) to 14% more (batch 1 with 128k), and at 256 it stayed within 1.3%, so those copy without one.
@@ -280,14 +280,14 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
   const unsigned char* vbase = static_cast<const unsigned char*>(p.v_cache);
 
-  // Copies of tile c (tokens first + c * step + [0, 16)) into stage c % kStages, and its validity mask.
-  // Row copies carry the L2 prefetch hint of Cfg::kPrefetch. Lane copies 16-byte piece lane % kNC of rows
-  // i * kRPI + lane / kNC, and the scales of row lane % 16 (keys in lanes 0-15, values in 16-31). A tile inside one page (the common case: page sizes that are
-  // multiples of 16) reads one block-table entry and finds its rows by addition from pointers fixed before
-  // the loop, one 64-bit multiply per tensor; a tile that straddles pages looks up each row's page. (Per-tile
-  // 64-bit offsets from the page and row had been about 145 of the 462 instructions of a q8_0 tile at head_dim
-  // 64; with this, a partial-tile mask test and a one-instruction NaN-propagating max: 401. On an H200 that
-  // took a median of 1-3% off 8-bit decode, 1% off bf16; the d64 8-bit kernel is not issue-bound, see README.)
+  // Copies of tile c (tokens first + c * step + [0, 16)) into stage c % kStages, and its validity mask. Row copies
+  // carry the L2 prefetch hint of Cfg::kPrefetch. Lane copies 16-byte piece lane % kNC of rows i * kRPI + lane /
+  // kNC, and the scales of row lane % 16 (keys in lanes 0-15, values in 16-31). A tile inside one page (the common
+  // case: page sizes that are multiples of 16) reads one block-table entry and finds its rows by addition from
+  // pointers fixed before the loop, one 64-bit multiply per tensor; a tile that straddles pages looks up each row's
+  // page. (Per-tile 64-bit offsets from the page and row had been about 145 of the 462 instructions of a q8_0 tile
+  // at head_dim 64; with this, a partial-tile mask test and a one-instruction NaN-propagating max: 401. On an H200
+  // that took a median of 1-3% off 8-bit decode, 1% off bf16; the d64 8-bit kernel is not issue-bound, see README.)
   constexpr int kRPI = 32 / C::kNC, kIters = kTile / kRPI;
   const int r_lane = lane / C::kNC, piece = lane % C::kNC;
   const int r0 = lane % kTile;
@@ -759,11 +759,11 @@ inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
   return shape;
 }
 
-// Splits of the tensor-core kernel (decode_num_splits): at least two 16-token tiles for each warp of a CTA
-// over one wave of SMs x shape.ctas_per_sm, which the caller picks (on an H200 two tiles beat four by up to 25%
-// at 1k-4k tokens and lost 10% only at 16/2 heads d256 with 32k). Short sequences: where one-tile-per-warp splits of every sequence fit one CTA
-// per SM, those (on an H200, batch 1 with 1k tokens: 5-9% faster). Not beyond: one-tile splits filling every
-// slot were up to 20% slower at 4k-8k tokens, and uneven splits in between up to 12% slower.
+// Splits of the tensor-core kernel (decode_num_splits): at least two 16-token tiles for each warp of a CTA over one
+// wave of SMs x shape.ctas_per_sm, which the caller picks (on an H200 two tiles beat four by up to 25% at 1k-4k
+// tokens and lost 10% only at 16/2 heads d256 with 32k). Short sequences: where one-tile-per-warp splits of every
+// sequence fit one CTA per SM, those (on an H200, batch 1 with 1k tokens: 5-9% faster). Not beyond: one-tile splits
+// filling every slot were up to 20% slower at 4k-8k tokens, and uneven splits in between up to 12% slower.
 inline int decode_tc_num_splits(int batch, int num_kv_heads, int max_tokens, TcShape shape, int sms) {
   const int one_tile = decode_tc::kTile * shape.warps;
   const int64_t one_tile_ctas = static_cast<int64_t>(batch) * num_kv_heads *

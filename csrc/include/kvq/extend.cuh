@@ -733,17 +733,17 @@ int resident_ctas() {
   return known;
 }
 
-// Shapes of CTA for head_dim <= 128: "wide" (4 warps of two m-tiles, 128 rows: fewer shared memory reads
-// per mma than deep, two CTAs per H200 SM), "deep" (8 warps of one m-tile, 128 rows, Q in registers, 64-key
-// tiles), "small" (deep's warps halved, only by the rule for plain prefills below) and, for 8-bit caches, "tall" (8 warps of two m-tiles, 256 rows, one CTA per SM), which dequantizes
-// each tile once per 256 rows instead of 128. The launcher takes the shape of least estimated time: waves of
-// CTAs (CTAs with rows to do, over resident CTAs x SMs, rounded up) x the rows an SM holds in a wave x a cost
-// per row of the shape. The costs are times per row with every SM full, measured on an H200 at 1024 new tokens
-// over a 32k prefix (32/8 heads), where tall and wide take one wave and deep two: at d128 8-bit tall 2300 us,
-// wide 2675, deep 2943, bf16 wide 2272, deep 2366; at d64 8-bit tall 1249, wide 1435, deep 1955, bf16 wide
-// 1304, deep 1580. Rounding waves up is what the rule is for: at 1536 new tokens (d128) deep's three waves beat
-// two of wide (bf16 3535 against 4461 us) or of tall (q8_0 4383 against 4589).
-// Tall does not serve bf16/fp16 caches: without a dequantization to share it won 2-5% over a long prefix but
+// Shapes of CTA for head_dim <= 128: "wide" (4 warps of two m-tiles, 128 rows: fewer shared memory reads per mma
+// than deep, two CTAs per H200 SM), "deep" (8 warps of one m-tile, 128 rows, Q in registers, 64-key tiles), "small"
+// (deep's warps halved, only by the rule for plain prefills below) and, for 8-bit caches, "tall" (8 warps of two
+// m-tiles, 256 rows, one CTA per SM), which dequantizes each tile once per 256 rows instead of 128. The launcher
+// takes the shape of least estimated time: waves of CTAs (CTAs with rows to do, over resident CTAs x SMs, rounded
+// up) x the rows an SM holds in a wave x a cost per row of the shape. The costs are times per row with every SM
+// full, measured on an H200 at 1024 new tokens over a 32k prefix (32/8 heads), where tall and wide take one wave
+// and deep two: at d128 8-bit tall 2300 us, wide 2675, deep 2943, bf16 wide 2272, deep 2366; at d64 8-bit tall
+// 1249, wide 1435, deep 1955, bf16 wide 1304, deep 1580. Rounding waves up is what the rule is for: at 1536 new
+// tokens (d128) deep's three waves beat two of wide (bf16 3535 against 4461 us) or of tall (q8_0 4383 against
+// 4589). Tall does not serve bf16/fp16 caches: without a dequantization to share it won 2-5% over a long prefix but
 // lost up to 11% in a plain prefill (2048 tokens), and the launcher cannot see that a prefix is empty.
 struct ShapeCosts {
   double wide, deep;  // per row, relative to tall (8-bit) or wide (bf16/fp16)
