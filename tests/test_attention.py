@@ -323,49 +323,60 @@ def test_decode_cuda_graph(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
-def test_decode_dependent_merge_gpu(backend, fmt, monkeypatch):
+def test_decode_dependent_launches_gpu(backend, fmt, monkeypatch):
     """Where the GPU can (compute capability 9.0 and newer), the backends launch the decode merge as a
-    programmatic dependent of the split kernel (Triton at batch 1 only), to start while the last splits run; it
-    must still read every partial only once written. Its output equals, to the bit, that of a merge launched in
-    plain stream order, eager and over many replays of one CUDA graph, for part counts that reach each CUDA merge
-    kernel (4-16 parts, up to 64, and a few hundred) and for one split (no merge)."""
+    programmatic dependent of the split kernel (Triton at batch 1 only), to start while the last splits run, and
+    the split kernel as one of the kernel before it (here the previous call's merge, which lets it be scheduled
+    at once). The merge must still read every partial only once written, and a split must not touch memory before
+    the kernel before it is done: eight calls captured in one CUDA graph reuse one workspace, so a split writing
+    it early would corrupt the partials the previous merge reads. The output equals, to the bit, that of plain
+    stream order, eager and over many replays, for part counts that reach each CUDA merge kernel (4-16 parts, up
+    to 64, and a few hundred) and for one split (no merge)."""
     from kvq.backends import pinned_cuda_kernel
     from kvq.triton_backend import decode as triton_decode
 
     ops = backend_ops(backend)
 
-    def plain_order(mode):
+    def launches(mode):
         if backend == "cuda":
             return pinned_cuda_kernel("set_decode_pdl", mode)
-        monkeypatch.setattr(triton_decode, "_PDL", mode == "auto")
+        monkeypatch.setattr(triton_decode, "_PDL", mode != "off")
+        monkeypatch.setattr(triton_decode, "_SPLIT_PDL", mode == "auto")
         return contextlib.nullcontext()
 
     for lens, hq, hkv in (([1000], 16, 2), ([70001], 32, 8), ([8000, 3], 32, 8), ([32768, 30001], 8, 1),
                           ([40] * 200, 32, 8)):
         p = random_paged(lens, 16, hkv, 128, cache_dtype(fmt, torch.bfloat16), device="cuda")
-        q = torch.randn(len(lens), hq, 128, device="cuda").to(torch.bfloat16)
+        qs = [torch.randn(len(lens), hq, 128, device="cuda").to(torch.bfloat16) for _ in range(8)]
         got = {}
-        for mode in ("off", "auto"):
-            eager, replayed = poison_(torch.empty_like(q)), poison_(torch.empty_like(q))
-            with plain_order(mode):
-                def call(out):
+        for mode in ("off", "merge", "auto"):
+            eager = [poison_(torch.empty_like(q)) for q in qs]
+            replayed = [poison_(torch.empty_like(q)) for q in qs]
+            with launches(mode):
+                def call(q, out):
                     ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
                                          128 ** -0.5, -1, 0.0, out)
-                call(eager)
+                for q, out in zip(qs, eager):
+                    call(q, out)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    for _ in range(8):
-                        call(replayed)
+                    for q, out in zip(qs, replayed):
+                        call(q, out)
                 for _ in range(20):
-                    poison_(replayed)
+                    for out in replayed:
+                        poison_(out)
                     graph.replay()
                     torch.cuda.synchronize()
-                    assert torch.equal(replayed, eager), f"{mode}: a replay differs from the eager call ({lens[:2]})"
+                    for i, (r, e) in enumerate(zip(replayed, eager)):
+                        assert torch.equal(r, e), f"{mode}: call {i} of a replay differs from the eager call ({lens[:2]})"
             got[mode] = eager
-        assert torch.equal(got["auto"], got["off"]), f"dependent and plain merges differ ({lens[:2]}, {hq}/{hkv})"
-        truth, base = decode_truth(q, p, 128 ** -0.5, -1, 0.0)
-        assert_close_to_truth(got["auto"], truth, base, "decode with a dependent merge")
+        for mode in ("merge", "auto"):
+            for i, (a, b) in enumerate(zip(got[mode], got["off"])):
+                assert torch.equal(a, b), f"{mode}: call {i} differs from plain stream order ({lens[:2]}, {hq}/{hkv})"
+        for q, out in zip(qs[:2], got["auto"]):
+            truth, base = decode_truth(q, p, 128 ** -0.5, -1, 0.0)
+            assert_close_to_truth(out, truth, base, "decode with dependent launches")
 
 
 @runs_triton

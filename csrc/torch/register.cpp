@@ -42,8 +42,8 @@ static PyObject* set_decode_heads(PyObject*, PyObject* arg) {
 }
 
 static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "off"};
-  return choose(arg, names, kvq_set_decode_pdl, "decode merge launch");
+  static const char* const names[] = {"auto", "off", "merge"};
+  return choose(arg, names, kvq_set_decode_pdl, "decode programmatic launch");
 }
 
 #ifdef KVQ_HAS_EXTEND
@@ -66,8 +66,9 @@ static PyMethodDef kMethods[] = {
      "'warp' (one per warp, in CTAs of as many warps as the largest divisor of the kv heads up to its warps); returns "
      "the previous."},
     {"set_decode_pdl", set_decode_pdl, METH_O,
-     "Launch the decode merge as a programmatic dependent of the split kernel: 'auto' (on devices of compute "
-     "capability 9.0 and newer) or 'off'; returns the previous."},
+     "Programmatic dependent launches of the decode kernels (on devices of compute capability 9.0 and newer): "
+     "'auto' (the split kernel after the kernel before it, the merge after the split), 'merge' (the merge only) "
+     "or 'off'; returns the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' or "

@@ -138,9 +138,12 @@ __device__ __forceinline__ float part_weight(float m, float mx) {
 // Programmatic dependent launch, for a kernel pair on one stream (a split kernel and its merge). The first
 // lets the second be scheduled once all of its own CTAs run; the second waits, before it reads anything the
 // first wrote, until the first has finished and its writes are visible. The merge's launch and start-up then
-// overlap the split kernel's last CTAs instead of following them. sm_90 and newer have the instructions; the
-// host asks for such a launch only on those devices, and without that request both are no-ops, so the sm_89
-// build (which compiles them out) behaves the same.
+// overlap the split kernel's last CTAs instead of following them. The decode split kernel is launched the same
+// way after whatever kernel precedes it (the previous call's merge lets it be scheduled at once): it waits before
+// its first global load or store, since the kernel before may still be writing its inputs or reading memory the
+// split will write (a workspace the allocator handed on). sm_90 and newer have the instructions; the host asks for
+// such a launch only on those devices, and without that request both are no-ops, so the sm_89 build (which
+// compiles them out) behaves the same.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -156,10 +159,10 @@ __device__ __forceinline__ void wait_for_primary() {
 // programmatic dependent of the kernel before it on `stream` (when `dependent`), else in plain stream order.
 class DependentLaunch {
  public:
-  DependentLaunch(dim3 grid, dim3 block, cudaStream_t stream, bool dependent) {
+  DependentLaunch(dim3 grid, dim3 block, cudaStream_t stream, bool dependent, size_t smem = 0) {
     attr_.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr_.val.programmaticStreamSerializationAllowed = 1;
-    cfg_.gridDim = grid, cfg_.blockDim = block, cfg_.stream = stream;
+    cfg_.gridDim = grid, cfg_.blockDim = block, cfg_.dynamicSmemBytes = smem, cfg_.stream = stream;
     cfg_.attrs = &attr_, cfg_.numAttrs = dependent ? 1 : 0;
   }
   DependentLaunch(const DependentLaunch&) = delete;  // cfg_ points at attr_

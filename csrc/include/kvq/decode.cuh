@@ -45,6 +45,7 @@ struct DecodeParams {
   float* workspace = nullptr;  // decode_workspace_floats() floats
   int num_sms = 0;               // of the device: sizes the merge
   bool dependent_merge = false;  // launch the merge as a programmatic dependent of the split kernel (sm_90+)
+  bool dependent_split = false;  // launch the split kernel as a programmatic dependent of the kernel before it
 };
 
 namespace detail {
@@ -156,6 +157,7 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
                               warp * kStages * C::kStageBytes;
 
   launch_dependents();
+  wait_for_primary();  // whatever ran before on the stream (see common.cuh)
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads;
 
@@ -580,8 +582,9 @@ inline cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) 
         constexpr auto kernel = detail::decode_split_kernel<S, HD, GMAX>;
         cudaError_t e = opt_in_smem<kernel>(smem);
         if (e != cudaSuccess) return e;
-        kernel<<<dim3(p.num_splits, p.num_kv_heads, p.batch), C::kWarps * 32, smem, stream>>>(p);
-        e = cudaGetLastError();
+        const DependentLaunch split(dim3(p.num_splits, p.num_kv_heads, p.batch), dim3(C::kWarps * 32), stream,
+                                    p.dependent_split, smem);
+        e = split(kernel, p);
         if (e != cudaSuccess) return e;
         return launch_decode_merge(p, p.num_splits * C::kWarps, stream);
       });

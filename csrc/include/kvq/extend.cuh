@@ -803,10 +803,6 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     int s_deep = 1;
     const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kShapeCosts<kQuant, D>.deep, s_deep);
     if (p.shape == 2) return {2, s_deep};
-    int s_small = 1;
-    const int small_resident = resident_ctas<T, S, Small>();
-    best(Small::kBlockM, small_resident, kShapeCosts<kQuant, D>.deep, s_small);
-    if (p.shape == 4) return {4, s_small};
     // The estimate counts waves of equal CTAs. Under a causal mask, rows whose keys are mostly their own chunk's
     // (the block table addresses fewer keys than twice a sequence's new tokens: a prefill, or a prefix shorter
     // than the chunk) make unequal ones: the late row blocks, dispatched first, see all the keys and the early
@@ -823,9 +819,14 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     // 19.7 / 23.9. Not beyond one wave (32/8 d128 768 tokens 29.1 -> 31.0, 1024 42.5 -> 47.6), nor over a prefix
     // as long as the chunk (512 over 512 40.0 -> 44.1), where every block reads all of it twice as often.
     const bool triangle = p.causal && p.window_left < 0 && table_keys < 2 * chunk;
-    if (p.shape == 0 && triangle && 4 * table_keys <= chunk &&
-        ctas_of(Small::kBlockM) <= int64_t(small_resident) * p.num_sms)
-      return {4, s_small};
+    if (p.shape == 4 || (p.shape == 0 && triangle && 4 * table_keys <= chunk)) {
+      const int small_resident = resident_ctas<T, S, Small>();
+      if (p.shape == 4 || ctas_of(Small::kBlockM) <= int64_t(small_resident) * p.num_sms) {
+        int s_small = 1;
+        best(Small::kBlockM, small_resident, kShapeCosts<kQuant, D>.deep, s_small);
+        return {4, s_small};
+      }
+    }
     if (p.shape == 0 && triangle && ctas_of(Wide::kBlockM) <= 2 * int64_t(p.num_sms)) return {2, s_deep};
     if constexpr (kQuant) {  // no tall instance for bf16/fp16 caches
       if (p.shape != 1 && Smem<S, Tall>::kBytes <= size_t(p.max_smem)) {
