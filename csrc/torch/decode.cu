@@ -219,9 +219,9 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // back to back in a CUDA graph, against the merge alone launched so (42 shapes: 32/8 d128, 16/2 d256, 9/3 d64;
   // bf16, q8_0, fp8; batch 1-64, 1k-128k tokens; alternated three times in one process): at batch 1 1.8% less
   // time (geometric mean; 0.935-1.008x; 2.4% over 6 shapes of a second run, up to 1.021x), at batch 8-64 0.6-1.1%
-  // less (0.953-1.004x); outputs equal to the bit. A
-  // merge that let it be scheduled at its own start (launch_dependents) cost up to 32% instead (32/8 d128, batch
-  // 1 with 32k tokens): the split's one-wave grid then lands unevenly on SMs still running merge CTAs.
+  // less (0.953-1.004x); outputs equal to the bit. A merge that let it be scheduled at its own start
+  // (launch_dependents) cost up to 32% instead (32/8 d128, batch 1 with 32k tokens): the split's one-wave grid
+  // then lands unevenly on SMs still running merge CTAs.
   p.dependent_split = pdl == 0;
   p.num_sms = sms;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
