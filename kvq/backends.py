@@ -161,8 +161,9 @@ def pinned_cuda_kernel(setter: str, choice: str):
     ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp": kv heads of the
     tensor-core decode per CTA or per warp), ``"set_decode_pdl"`` ("auto", "merge", "off": the decode split kernel
     and merge, the merge alone, or neither, launched as programmatic dependents where the device can),
-    ``"set_extend_shape"`` ("auto", "wide", "deep", "tall", "small") or ``"set_extend_splits"`` ("auto", "1" to
-    "4": key ranges per extend row block, merged after). For tests and benchmarks, which must reach every kernel
+    ``"set_extend_shape"`` ("auto", "wide", "deep", "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to
+    "4": key ranges per extend row block, merged after) or ``"set_extend_pdl"`` ("auto", "merge", "off", as for
+    decode). For tests and benchmarks, which must reach every kernel
     whatever shape the rules would pick by."""
     from kvq import _C
 

@@ -15,10 +15,13 @@ using namespace kvq_torch;
 namespace {
 std::atomic<int> g_extend_shape{0};
 std::atomic<int> g_extend_splits{0};
+std::atomic<int> g_extend_pdl{0};  // programmatic dependent launches where the device can: 0 the kernel and the
+                                   // merge, 1 none, 2 the merge only
 }  // namespace
 
 int kvq_set_extend_shape(int choice) { return g_extend_shape.exchange(choice); }
 int kvq_set_extend_splits(int choice) { return g_extend_splits.exchange(choice); }
+int kvq_set_extend_pdl(int choice) { return g_extend_pdl.exchange(choice); }
 
 void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num_q_heads, head_dim] bf16/fp16
                            const at::Tensor& key,      // [total_new_tokens, num_kv_heads, head_dim] query dtype
@@ -115,8 +118,14 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   p.max_smem = smem_optin(dev.index());
   p.shape = g_extend_shape.load();
   p.num_splits = g_extend_splits.load();
-  // The merge of split key ranges as a programmatic dependent of the split kernel, as decode's (ops.h).
-  p.dependent_merge = compute_major(dev.index()) >= 9;
+  // The merge of split key ranges as a programmatic dependent of the split kernel, as decode's (ops.h); and the
+  // kernel itself as a dependent of the kernel before it, which it waits for before any global access, so its
+  // launch overlaps that kernel's exit. On an H200, calls back to back in a CUDA graph (32/8 heads, d128; two
+  // builds alternated in one run): 512 new tokens with no prefix 2-3% less time (bf16 20.3 -> 19.7 us), up to
+  // 0.5% at 512-2048 tokens over a 4k prefix, within noise for longer calls.
+  const int pdl = compute_major(dev.index()) >= 9 ? g_extend_pdl.load() : 1;
+  p.dependent_merge = pdl == 0 || pdl == 2;
+  p.dependent_kernel = pdl == 0;
   kvq::ExtendPlan plan{};
   cudaError_t e = kvq::extend_plan(p, plan);
   TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: no kernel for these parameters: ", cudaGetErrorString(e));

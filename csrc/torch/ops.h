@@ -54,6 +54,10 @@ int kvq_set_extend_shape(int choice);
 // How many ranges the keys of each extend row block are split into (merged after): 0 = by estimated time
 // (extend.cuh's plan_shape), n = n. Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_splits(int choice);
+// How the extend kernels are launched: 0 = the kernel as a programmatic dependent of the kernel before it and the
+// merge of split keys as one of the kernel, where the device can (compute capability 9.0 and newer); 1 = plain
+// stream order; 2 = the merge only. Returns the previous choice; for benchmarks and tests.
+int kvq_set_extend_pdl(int choice);
 
 // The architectures this extension was compiled for, e.g. "8.9;9.0;12.0".
 const char* kvq_cuda_archs();

@@ -52,6 +52,11 @@ static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
   return choose(arg, names, kvq_set_extend_shape, "extend CTA shape");
 }
 
+static PyObject* set_extend_pdl(PyObject*, PyObject* arg) {
+  static const char* const names[] = {"auto", "off", "merge"};
+  return choose(arg, names, kvq_set_extend_pdl, "extend programmatic launch");
+}
+
 static PyObject* set_extend_splits(PyObject*, PyObject* arg) {
   static const char* const names[] = {"auto", "1", "2", "3", "4"};
   return choose(arg, names, kvq_set_extend_splits, "extend key splits");
@@ -77,6 +82,10 @@ static PyMethodDef kMethods[] = {
     {"set_extend_splits", set_extend_splits, METH_O,
      "Split the keys of each CUDA extend row block over CTAs and merge: 'auto' (by estimated time) or '1' to '4'; "
      "returns the previous."},
+    {"set_extend_pdl", set_extend_pdl, METH_O,
+     "Programmatic dependent launches of the extend kernels (on devices of compute capability 9.0 and newer): "
+     "'auto' (the kernel after the kernel before it, the merge of split keys after the kernel), 'merge' (the merge "
+     "only) or 'off'; returns the previous."},
 #endif
     {"cuda_archs", cuda_archs, METH_NOARGS, "The CUDA architectures compiled in, e.g. '8.9;9.0;12.0'."},
     {nullptr, nullptr, 0, nullptr},

@@ -138,10 +138,10 @@ __device__ __forceinline__ float part_weight(float m, float mx) {
 // Programmatic dependent launch, for a kernel pair on one stream (a split kernel and its merge). The first
 // lets the second be scheduled once all of its own CTAs run; the second waits, before it reads anything the
 // first wrote, until the first has finished and its writes are visible. The merge's launch and start-up then
-// overlap the split kernel's last CTAs instead of following them. The decode split kernel is launched the same
-// way after whatever kernel precedes it, so it is scheduled as that kernel's CTAs exit: it waits before its
-// first global load or store, since the kernel before may still be writing its inputs or reading memory the
-// split will write (a workspace the allocator handed on). sm_90 and newer have the instructions; the host asks for
+// overlap the split kernel's last CTAs instead of following them. The decode split kernel and the extend kernel
+// are launched the same way after whatever kernel precedes them, so they are scheduled as that kernel's CTAs
+// exit: they wait before their first global load or store, since the kernel before may still be writing their
+// inputs or reading memory they will write (a workspace the allocator handed on). sm_90 and newer have the instructions; the host asks for
 // such a launch only on those devices, and without that request both are no-ops, so the sm_89 build (which
 // compiles them out) behaves the same.
 __device__ __forceinline__ void launch_dependents() {

@@ -65,6 +65,7 @@ struct ExtendParams {
   int num_splits = 0;             // key ranges per row block: 0 by extend_plan; > 1 needs the workspace
   float* workspace = nullptr;     // extend_workspace_floats() floats: the splits' partials, combined by a merge
   bool dependent_merge = false;   // launch the merge as a programmatic dependent of the split kernel (sm_90+)
+  bool dependent_kernel = false;  // launch the kernel as a programmatic dependent of the kernel before it (sm_90+)
   float sm_scale = 1.0f;
   bool causal = true;
   int window_left = -1;      // -1: none
@@ -89,15 +90,24 @@ struct Cfg {
   static constexpr int kBlockM = W * 16 * MT;
 };
 // The "wide" CTA: 4 warps of two m-tiles (one at d256, so that O, 128 fp32 per thread, and S stay in
-// registers). Key tiles of 64 at d64 and 32 above (64 at d128 spills), 16 for an 8-bit d256 cache so that
-// two stages fit the 99 KB of shared memory of sm_89 and sm_120.
+// registers). Key tiles of 64 at d64, and at d128 over a bf16/fp16 cache: there they spill 64 bytes of
+// registers (sm_90), yet halve the Q fragment loads, barriers and row reductions per key, and took 3-6% less
+// time than 32-key tiles on an H200 (32/8 heads: 2048 new tokens with no prefix 135.3 -> 131.1 us, 8192 1907
+// -> 1810, 2048 over a 32k prefix 4449 -> 4214). 32 for an 8-bit d128 cache, whose raw rows and scales would
+// take two stages past the 99 KB of shared memory of sm_89 and sm_120, where wide serves it; 16 for an 8-bit
+// d256 cache, for the same reason.
 template <typename S, int D>
-using WideCfg = Cfg<D, D == 64 ? 64 : (D == 256 && StorageTraits<S>::kQuantized ? 16 : 32), D <= 128 ? 2 : 1, 4>;
+using WideCfg = Cfg<D, D == 64 || (D == 128 && !StorageTraits<S>::kQuantized) ? 64
+                       : (D == 256 && StorageTraits<S>::kQuantized ? 16 : 32),
+                    D <= 128 ? 2 : 1, 4>;
 // The "tall" CTA (head_dim <= 128): 8 warps of two m-tiles, 256 rows, so a dequantized 8-bit tile serves twice
-// the rows of the others. Its Q tile takes 64 KB at d128; with 32-key tiles an 8-bit cache then needs 105 KB,
-// more than sm_89 and sm_120 have (16-key tiles fit, but cost 30% over bf16 on an H200), so there it is not used.
+// the rows of the others, with 64-key tiles. Its Q tile takes 64 KB at d128, and an 8-bit cache then needs 148 KB
+// (105 KB with 32-key tiles), more than sm_89 and sm_120 have (16-key tiles fit, but cost 30% over bf16 on an
+// H200), so there it is not used. At d128 the 64-key tiles spill 64 bytes of registers (sm_90), yet took 4-10%
+// less time than 32-key ones on an H200 (32/8 heads, q8_0: 8192 new tokens with no prefix 1900 -> 1719 us, 2048
+// over a 32k prefix 4523 -> 4300, 8192 over 32k 19314 -> 18093; fp8_e4m3 alike).
 template <int D>
-using TallCfg = Cfg<D, D == 64 ? 64 : 32, 2, 8>;
+using TallCfg = Cfg<D, 64, 2, 8>;
 // One m-tile per warp with Q in registers and 64-key tiles (head_dim <= 128): the "deep" CTA of 8 warps (128 rows)
 // and the "small" one of 4 warps (64 rows), whose row blocks split a short causal chunk's work finer.
 template <int D, int W>
@@ -412,6 +422,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
   const bool softcap = p.logit_softcap > 0.f;
   const float s_mul = softcap ? p.sm_scale / p.logit_softcap : p.sm_scale * kLog2e;
   const float cap_log2 = p.logit_softcap * kLog2e;
+  const float fmul = softcap ? 1.f : s_mul;  // the scale the exponent applies (below)
 
   // Two-stage pipeline with one barrier per tile: tile j + 1 is in flight while tile j is computed; after
   // its mmas each thread waits for its own copies of tile j + 1 and dequantizes its own 8-bit chunks of it
@@ -480,17 +491,22 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 
     // Scores in log2 units; only tiles crossing the diagonal, the window edge or kv_len are masked. The
     // soft-cap and mask tests are taken once per tile, outside the element loops: a branch per element
-    // cuts the loop into one basic block per score and serializes the exp2 / tanh latencies.
+    // cuts the loop into one basic block per score and serializes the exp2 / tanh latencies. Without a
+    // soft-cap the scale is not applied here but folded into the exponent below, exp2(s * scale - m), one FFMA
+    // per score instead of a multiply and a subtraction (the running maxima are the same floats: the scale is
+    // positive and rounding is monotonic). On an H200 that took 1-3% less time (32/8 heads, d128: bf16 8192 new
+    // tokens with no prefix 1812 -> 1789 us, q8_0 2048 over a 32k prefix 4642 -> 4522).
     const bool need_mask = n0 + BN > s.kv_len || (p.causal && n0 + BN - 1 > qmin) ||
                            (p.window_left >= 0 && n0 < qmax - p.window_left);
-    auto scores = [&](auto kCap, auto kMask) {
+    auto scores = [&](auto kCap, auto kMask, auto kMul) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = sc[mt][nb][e] * s_mul;
+            float x = sc[mt][nb][e];
+            if constexpr (decltype(kMul)::value) x *= s_mul;
             if constexpr (decltype(kCap)::value) x = cap_log2 * tanhf(x);
             if constexpr (decltype(kMask)::value) {
               const int kpos = n0 + nb * 8 + (lane & 3) * 2 + (e & 1);
@@ -507,9 +523,9 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     using Yes = std::true_type;
     using No = std::false_type;
     if (softcap) {
-      if (need_mask) scores(Yes{}, Yes{}); else scores(Yes{}, No{});
-    } else {
-      if (need_mask) scores(No{}, Yes{}); else scores(No{}, No{});
+      if (need_mask) scores(Yes{}, Yes{}, Yes{}); else scores(Yes{}, No{}, Yes{});
+    } else if (need_mask) {
+      scores(No{}, Yes{}, No{});
     }
 
     // Online softmax; a row lives in the 4 threads of a quad. The wide CTA rescales O only when some row of
@@ -531,7 +547,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
         for (int nb = 0; nb < BN / 8; ++nb) mx = fmaxf(mx, fmaxf(sc[mt][nb][2 * i], sc[mt][nb][2 * i + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][i], mx);
+        const float m_new = fmaxf(m_run[mt][i], mx * fmul);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: keep exp2 finite
         const float alpha = fast_exp2(m_run[mt][i] - m_use);
         alphas[mt][i] = alpha;
@@ -539,8 +555,8 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
         float sum = 0.f;
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
-          sc[mt][nb][2 * i] = fast_exp2(sc[mt][nb][2 * i] - m_use);
-          sc[mt][nb][2 * i + 1] = fast_exp2(sc[mt][nb][2 * i + 1] - m_use);
+          sc[mt][nb][2 * i] = fast_exp2(fmaf(sc[mt][nb][2 * i], fmul, -m_use));
+          sc[mt][nb][2 * i + 1] = fast_exp2(fmaf(sc[mt][nb][2 * i + 1], fmul, -m_use));
           sum += sc[mt][nb][2 * i] + sc[mt][nb][2 * i + 1];
         }
         l_run[mt][i] = l_run[mt][i] * alpha + sum;
@@ -655,7 +671,10 @@ __global__ void __launch_bounds__(C::kThreads) extend_kernel(const __grid_consta
     __trap();
   } else
 #endif
+  {
+    wait_for_primary();  // whatever ran before on the stream (a dependent launch; common.cuh)
     extend_body<T, S, C>(p, pdm, blk_hi);
+  }
 }
 
 // grid cdiv(total_q * num_q_heads, 8), 256 threads: a warp combines the splits of one (token, q head) row, each
@@ -704,9 +723,10 @@ cudaError_t launch(const ExtendParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   for (int64_t y0 = 0; y0 < blocks; y0 += 65535) {  // grid y holds at most 65535 row blocks per launch
     const unsigned rows = unsigned(std::min<int64_t>(blocks - y0, 65535));
-    extend_kernel<T, S, C><<<dim3(unsigned(p.num_kv_heads), rows, unsigned(splits)), C::kThreads, smem, stream>>>(
-        p, FastDivmod(p.page_size), int(blocks - 1 - y0));
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    const DependentLaunch run(dim3(unsigned(p.num_kv_heads), rows, unsigned(splits)), dim3(C::kThreads), stream,
+                              p.dependent_kernel, smem);
+    if ((err = run(extend_kernel<T, S, C>, p, FastDivmod(p.page_size), int(blocks - 1 - y0))) != cudaSuccess)
+      return err;
   }
   if (splits == 1) return cudaSuccess;
   const DependentLaunch merge(dim3(unsigned(merge_ctas)), dim3(256), stream, p.dependent_merge);
@@ -740,8 +760,9 @@ int resident_ctas() {
 // takes the shape of least estimated time: waves of CTAs (CTAs with rows to do, over resident CTAs x SMs, rounded
 // up) x the rows an SM holds in a wave x a cost per row of the shape. The costs are times per row with every SM
 // full, measured on an H200 at 1024 new tokens over a 32k prefix (32/8 heads), where tall and wide take one wave
-// and deep two: at d128 8-bit tall 2300 us, wide 2675, deep 2943, bf16 wide 2272, deep 2366; at d64 8-bit tall
-// 1249, wide 1435, deep 1955, bf16 wide 1304, deep 1580. Rounding waves up is what the rule is for: at 1536 new
+// and deep two: at d128 8-bit tall 2161 us, wide 2572, deep 2949, bf16 wide 2059, deep 2289 (with 64-key tall
+// tiles at d128, and 64-key wide ones for bf16/fp16); at d64 8-bit tall 1249, wide 1435, deep 1955, bf16 wide
+// 1304, deep 1580 (before the scale was folded into the exponent). Rounding waves up is what the rule is for: at 1536 new
 // tokens (d128) deep's three waves beat two of wide (bf16 3535 against 4461 us) or of tall (q8_0 4383 against
 // 4589). Tall does not serve bf16/fp16 caches: without a dequantization to share it won 2-5% over a long prefix but
 // lost up to 11% in a plain prefill (2048 tokens), and the launcher cannot see that a prefix is empty.
@@ -750,8 +771,8 @@ struct ShapeCosts {
 };
 template <bool kQuant, int D>
 constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249, 1955.0 / 1249}
-                                                     : ShapeCosts{2675.0 / 2300, 2943.0 / 2300})
-                                          : (D == 64 ? ShapeCosts{1.0, 1580.0 / 1304} : ShapeCosts{1.0, 2366.0 / 2272});
+                                                     : ShapeCosts{2572.0 / 2161, 2949.0 / 2161})
+                                          : (D == 64 ? ShapeCosts{1.0, 1580.0 / 1304} : ShapeCosts{1.0, 2289.0 / 2059});
 
 // Splitting the keys of each row block over more CTAs (flash-decoding) fills an SM wave that too few row blocks
 // leave short: a chunk of 512 new tokens at 32/8 heads makes 64 tall CTAs for 132 SMs. The estimate divides each
