@@ -121,8 +121,8 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   // The merge of split key ranges as a programmatic dependent of the split kernel, as decode's (ops.h); and the
   // kernel itself as a dependent of the kernel before it, which it waits for before any global access, so its
   // launch overlaps that kernel's exit. On an H200, calls back to back in a CUDA graph (32/8 heads, d128; two
-  // builds alternated in one run): 512 new tokens with no prefix 2-3% less time (bf16 20.3 -> 19.7 us), up to
-  // 0.5% at 512-2048 tokens over a 4k prefix, within noise for longer calls.
+  // builds alternated in one run): 512 new tokens with no prefix 1-3% less time (bf16 20.3 -> 19.7 us), within
+  // 0.5% at 512-2048 tokens over a 4k prefix and for longer calls.
   const int pdl = compute_major(dev.index()) >= 9 ? g_extend_pdl.load() : 1;
   p.dependent_merge = pdl == 0 || pdl == 2;
   p.dependent_kernel = pdl == 0;
