@@ -52,6 +52,29 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(-77) if t.dtype == torch.int8 else t.fill_(0x5A)
 
 
+def eager_then_replayed(call, inputs, replays: int, what: str) -> list:
+    """Calls ``call(x, out)`` eagerly for each input, then captures the same calls in one CUDA graph (so they
+    share whatever workspace the allocator gives the first) and replays it ``replays`` times with the outputs
+    poisoned first: every replayed output must equal its eager one to the bit. Returns the eager outputs."""
+    eager = [poison_(torch.empty_like(x)) for x in inputs]
+    replayed = [poison_(torch.empty_like(x)) for x in inputs]
+    for x, out in zip(inputs, eager):
+        call(x, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, out in zip(inputs, replayed):
+            call(x, out)
+    for _ in range(replays):
+        for out in replayed:
+            poison_(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (r, e) in enumerate(zip(replayed, eager)):
+            assert torch.equal(r, e), f"{what}: call {i} of a replay differs from the eager call"
+    return eager
+
+
 @dataclass
 class Paged:
     k_cache: torch.Tensor

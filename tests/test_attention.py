@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from common import (FORMATS, TRITON_DEVICE, assert_close_to_truth, attend, backend_ops, backend_params,
-                    cache_dtype, decode_truth, device_of, extend_truth, poison_, random_paged, rel_err, runs_triton)
+                    cache_dtype, decode_truth, device_of, eager_then_replayed, extend_truth, poison_, random_paged,
+                    rel_err, runs_triton)
 
 BACKENDS = ["triton", "cuda"]
 # The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps.
@@ -348,29 +349,14 @@ def test_decode_dependent_launches_gpu(backend, fmt, monkeypatch):
                           ([40] * 200, 32, 8)):
         p = random_paged(lens, 16, hkv, 128, cache_dtype(fmt, torch.bfloat16), device="cuda")
         qs = [torch.randn(len(lens), hq, 128, device="cuda").to(torch.bfloat16) for _ in range(8)]
+
+        def call(q, out):
+            ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
+                                 128 ** -0.5, -1, 0.0, out)
         got = {}
         for mode in ("off", "merge", "auto"):
-            eager = [poison_(torch.empty_like(q)) for q in qs]
-            replayed = [poison_(torch.empty_like(q)) for q in qs]
             with launches(mode):
-                def call(q, out):
-                    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
-                                         128 ** -0.5, -1, 0.0, out)
-                for q, out in zip(qs, eager):
-                    call(q, out)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for q, out in zip(qs, replayed):
-                        call(q, out)
-                for _ in range(20):
-                    for out in replayed:
-                        poison_(out)
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    for i, (r, e) in enumerate(zip(replayed, eager)):
-                        assert torch.equal(r, e), f"{mode}: call {i} of a replay differs from the eager call ({lens[:2]})"
-            got[mode] = eager
+                got[mode] = eager_then_replayed(call, qs, 20, f"{mode} ({lens[:2]})")
         for mode in ("merge", "auto"):
             for i, (a, b) in enumerate(zip(got[mode], got["off"])):
                 assert torch.equal(a, b), f"{mode}: call {i} differs from plain stream order ({lens[:2]}, {hq}/{hkv})"

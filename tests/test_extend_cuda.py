@@ -16,7 +16,7 @@ import torch
 import kvq
 from kvq import backends, reference
 
-from common import attend, cache_dtype, poison_, random_paged, rel_err
+from common import attend, cache_dtype, eager_then_replayed, poison_, random_paged, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -186,29 +186,14 @@ def test_dependent_launches(fmt):
     stream order to the bit, eager and over replays."""
     paged, q, k, v, cu, prefix_t = make_case([(1500, 40), (30, 60), (0, 28)], 8, 2, 128, fmt, torch.bfloat16, 16)
     qs = [torch.randn_like(q) for _ in range(8)]
+
+    def call(x, out):
+        torch.ops.kvq.extend_attention(x, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
+                                       paged.block_table, prefix_t, cu, 0.1, True, -1, 0.0, out)
     got = {}
     for mode in ("off", "merge", "auto"):
-        eager = [poison_(torch.empty_like(q)) for _ in qs]
-        replayed = [poison_(torch.empty_like(q)) for _ in qs]
         with backends.pinned_cuda_kernel("set_extend_pdl", mode):
-            def call(x, out):
-                torch.ops.kvq.extend_attention(x, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale,
-                                               paged.block_table, prefix_t, cu, 0.1, True, -1, 0.0, out)
-            for x, out in zip(qs, eager):
-                call(x, out)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for x, out in zip(qs, replayed):
-                    call(x, out)
-            for _ in range(5):
-                for out in replayed:
-                    poison_(out)
-                graph.replay()
-                torch.cuda.synchronize()
-                for i, (r, e) in enumerate(zip(replayed, eager)):
-                    assert torch.equal(r, e), f"{mode}: call {i} of a replay differs from the eager call"
-        got[mode] = eager
+            got[mode] = eager_then_replayed(call, qs, 5, mode)
     for mode in ("merge", "auto"):
         for i, (a, b) in enumerate(zip(got[mode], got["off"])):
             assert torch.equal(a, b), f"{mode}: call {i} differs from plain stream order"
