@@ -141,9 +141,9 @@ __device__ __forceinline__ float part_weight(float m, float mx) {
 // overlap the split kernel's last CTAs instead of following them. The decode split kernel and the extend kernel
 // are launched the same way after whatever kernel precedes them, so they are scheduled as that kernel's CTAs
 // exit: they wait before their first global load or store, since the kernel before may still be writing their
-// inputs or reading memory they will write (a workspace the allocator handed on). sm_90 and newer have the instructions; the host asks for
-// such a launch only on those devices, and without that request both are no-ops, so the sm_89 build (which
-// compiles them out) behaves the same.
+// inputs or reading memory they will write (a workspace the allocator handed on). sm_90 and newer have the
+// instructions; the host asks for such a launch only on those devices, and without that request both are
+// no-ops, so the sm_89 build (which compiles them out) behaves the same.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -498,7 +498,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     // heads, d128: bf16 8192 new tokens with no prefix 1812 -> 1789 us, q8_0 2048 over a 32k prefix 4642 -> 4522).
     const bool need_mask = n0 + BN > s.kv_len || (p.causal && n0 + BN - 1 > qmin) ||
                            (p.window_left >= 0 && n0 < qmax - p.window_left);
-    auto scores = [&](auto kCap, auto kMask, auto kMul) {
+    auto scores = [&](auto kCap, auto kMask) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -506,8 +506,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float x = sc[mt][nb][e];
-            if constexpr (decltype(kMul)::value) x *= s_mul;
-            if constexpr (decltype(kCap)::value) x = cap_log2 * tanhf(x);
+            if constexpr (decltype(kCap)::value) x = cap_log2 * tanhf(x * s_mul);
             if constexpr (decltype(kMask)::value) {
               const int kpos = n0 + nb * 8 + (lane & 3) * 2 + (e & 1);
               const int qp = qpos[mt][e >> 1];
@@ -523,9 +522,9 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     using Yes = std::true_type;
     using No = std::false_type;
     if (softcap) {
-      if (need_mask) scores(Yes{}, Yes{}, Yes{}); else scores(Yes{}, No{}, Yes{});
+      if (need_mask) scores(Yes{}, Yes{}); else scores(Yes{}, No{});
     } else if (need_mask) {
-      scores(No{}, Yes{}, No{});
+      scores(No{}, Yes{});
     }
 
     // Online softmax; a row lives in the 4 threads of a quad. The wide CTA rescales O only when some row of
