@@ -212,8 +212,8 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // H200, against plain stream order in one build (32/8 d128, 16/2 d256, 9/3 d64; q8_0 and bf16): 6-11% less time
   // at batch 1 with 1k-4k tokens, 1-4% with 32k-128k; at batch 8 with 1k 1-10% less (bf16 at 32/8 heads 0.8%
   // more); batch 8 with 32k and batch 64 within 0.3%. Outputs equal to the bit.
-  const int pdl = compute_major(dev.index()) >= 9 ? g_decode_pdl.load() : 1;
-  p.dependent_merge = pdl == 0 || pdl == 2;
+  const DependentLaunches pdl = dependent_launches(g_decode_pdl.load(), dev.index());
+  p.dependent_merge = pdl.merge;
   // The split kernel as a programmatic dependent of the kernel before it, which it waits for before any global
   // access: it is scheduled as that kernel's last CTAs exit, not after the kernel completes. On an H200, calls
   // back to back in a CUDA graph, against the merge alone launched so (42 shapes: 32/8 d128, 16/2 d256, 9/3 d64;
@@ -222,7 +222,7 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   // less (0.953-1.004x); outputs equal to the bit. A merge that let it be scheduled at its own start
   // (launch_dependents) cost up to 32% instead (32/8 d128, batch 1 with 32k tokens): the split's one-wave grid
   // then lands unevenly on SMs still running merge CTAs.
-  p.dependent_split = pdl == 0;
+  p.dependent_split = pdl.first;
   p.num_sms = sms;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const cudaError_t e = tc ? kvq::decode_attention_tc(p, stream) : kvq::decode_attention(p, stream);

@@ -123,9 +123,9 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   // launch overlaps that kernel's exit. On an H200, calls back to back in a CUDA graph (32/8 heads, d128; two
   // builds alternated in one run): 512 new tokens with no prefix 1-3% less time (bf16 20.3 -> 19.7 us), within
   // 0.5% at 512-2048 tokens over a 4k prefix and for longer calls.
-  const int pdl = compute_major(dev.index()) >= 9 ? g_extend_pdl.load() : 1;
-  p.dependent_merge = pdl == 0 || pdl == 2;
-  p.dependent_kernel = pdl == 0;
+  const DependentLaunches pdl = dependent_launches(g_extend_pdl.load(), dev.index());
+  p.dependent_merge = pdl.merge;
+  p.dependent_kernel = pdl.first;
   kvq::ExtendPlan plan{};
   cudaError_t e = kvq::extend_plan(p, plan);
   TORCH_CHECK(e == cudaSuccess, "kvq.extend_attention: no kernel for these parameters: ", cudaGetErrorString(e));

@@ -142,6 +142,15 @@ inline int smem_optin(int device) {
 }
 // The major compute capability (8 if the query fails): programmatic dependent launch needs 9 or more.
 inline int compute_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 8); }
+// Which kernels of an attention op are launched as programmatic dependents, from a set_*_pdl choice (0 the first
+// kernel and the merge, 1 none, 2 the merge only): none on a device below compute capability 9.0.
+struct DependentLaunches {
+  bool first, merge;
+};
+inline DependentLaunches dependent_launches(int choice, int device) {
+  const int c = compute_major(device) >= 9 ? choice : 1;
+  return {c == 0, c == 0 || c == 2};
+}
 
 // Token positions the attention kernels take (a block table's max_pages x page_size, plus an extend's new
 // tokens): 2^30 keeps their 32-bit position arithmetic (split spans rounded up to whole tiles) from overflowing.
