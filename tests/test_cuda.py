@@ -241,6 +241,39 @@ def test_decode_infinite_value_scales_match_the_reference(decode_ops, fmt):
     assert rel_err(o[finite], ref[finite]) <= 2 * rel_err(ref[finite].to(out.dtype), ref[finite]) + 1e-5
 
 
+@pytest.mark.parametrize("group", [4, 16])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group):
+    """bf16 values far above fp16's range, with finite scales: the tensor-core kernel dequantizes values to fp16
+    only in tiles whose value scales keep every product below 65504, and to bf16 in the others. Some tokens of kv
+    head 1 hold such values (scales of 2^9 and more for q8_0, 2^7 for e4m3) among ordinary ones in their tiles;
+    kv head 0 holds none. Both heads' outputs must match the reference as closely as at unit scale."""
+    hkv, lens = 2, [300, 1000]
+    p = random_paged(lens, 16, hkv, d, QUANT[fmt], device="cuda")
+    slots = torch.stack([p.block_table[b, t // 16].long() * 16 + t % 16
+                         for b, t in ((0, 20), (0, 299), (1, 5), (1, 6), (1, 500), (1, 999))])
+    value = torch.randn(len(slots), hkv, d, dtype=torch.bfloat16, device="cuda")
+    value[:, 1] *= 1e5
+    key = torch.randn(len(slots), hkv, d, dtype=torch.bfloat16, device="cuda")
+    decode_ops.store_kv(key, value, p.k_cache, p.v_cache, p.k_scale, p.v_scale, slots)
+    big = p.v_scale.view(-1, hkv, d // 32)[slots, 1].float()
+    assert (big >= {"q8_0": 512, "fp8_e4m3": 128}[fmt]).all() and torch.isfinite(big).all()
+    q = torch.randn(2, hkv * group, d, dtype=torch.bfloat16, device="cuda")
+    out = poison_(torch.empty_like(q))
+    sm = d ** -0.5
+    decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
+                                0.0, out)
+    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
+                               0.0, ref)
+    assert ref[:, group:].abs().max() > 1e3  # the large values reach kv head 1's outputs
+    for heads in (slice(0, group), slice(group, 2 * group)):
+        o, r = out[:, heads], ref[:, heads]
+        assert torch.isfinite(o).all()
+        assert rel_err(o, r) <= 2 * rel_err(r.to(o.dtype), r) + 1e-5, (heads, rel_err(o, r))
+
+
 @pytest.mark.parametrize("sm_scale,softcap", [(math.inf, 0.0), (math.nan, 0.0), (0.1, math.inf)])
 def test_direct_op_call_refuses_non_finite_scalars(sm_scale, softcap):
     """A direct torch.ops.kvq call on CUDA tensors refuses non-finite scalars (the C++ adapter checks them too)."""

@@ -37,6 +37,7 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         n = pages * page_size if full else 30  # at most the 40 slots of the smallest cache (page size 1)
         key = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=dev)
         value = torch.randn_like(key)
+        value[::5] *= 1e5  # scales whose products leave fp16: the tiles holding them take the bf16 P V of the decode
         slots = torch.randperm(pages * page_size, device=dev)[:n]
         if not full:
             slots[0], slots[1], slots[2] = -1, pages * page_size, -9  # skipped, never written

@@ -12,12 +12,18 @@
 //           each 8 heads one n-tile: P's rows of heads are already the B fragment.
 // 8-bit keys enter fp16 mmas raw (int8 and e4m3 values are exact in fp16), one 32-element block per two
 // k-steps, and the key's block scale multiplies that block's dot product in fp32; query rows are multiplied
-// by a power of two first, so bf16 queries are exact in fp16. Values are dequantized in registers to what
-// the same-precision reference uses, T(q * scale) rounded once to the query dtype T. Neither needs a
-// transposing copy: the order of head_dim in Q K^T is free, so Q's fragments are laid out to match how each
-// thread reads its key rows; for V^T P^T each thread reads one 8-byte word of four token rows and interleaves
-// their bytes with PRMT (the output rows it holds are permuted the same way, and written back to their true
-// positions).
+// by a power of two first, so bf16 queries are exact in fp16. Values are dequantized in registers to
+// fp16(q * scale), one rounding of the exact product, and P V runs in fp16 as well, bf16 queries included at
+// head_dim 128 and 256: fp16 keeps 3 more bits than bf16, and its packed multiply takes about half the
+// instructions of bf16's route through fp32 (on an H200 up to 6% less time at 16/2 heads d256; at head_dim 64,
+// with half the values per tile, 1-2% more at 9/3 heads, so there bf16 queries keep T(q * scale) in bf16).
+// Where a tile holds a value scale whose products could pass fp16's largest finite value (2^9 and up for q8_0,
+// 2^7 for e4m3, or not finite), that tile runs P V on bf16(q * scale) instead, so bf16 values of any
+// magnitude are read as the reference reads them. P enters fp16 mmas times 2^15 (and the row sums with it),
+// so that no probability above 2^-40 falls below fp16's range. Neither operand needs a transposing copy: the
+// order of head_dim in Q K^T is free, so Q's fragments are laid out to match how each thread reads its key rows;
+// for V^T P^T each thread reads one 8-byte word of four token rows and interleaves their bytes with PRMT (the
+// output rows it holds are permuted the same way, and written back to their true positions).
 //
 // Raw rows and scales travel by cp.async into a warp-private ring of kStages tiles (no block barrier in the
 // loop). 8-bit key rows are padded by 32 bytes, unquantized ones XOR-swizzled, value rows padded by 16 bytes,
@@ -180,6 +186,11 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
   constexpr int kRows = kRows2 ? 2 : 1;
   constexpr int KS = HD / 16;        // k-steps of Q K^T
+  // P V in fp16 (see the top): for fp16 queries, and for 8-bit caches at head_dim 128 and 256 with bf16 queries tile
+  // by tile (kGuarded).
+  constexpr bool kGuarded = kQuant && !std::is_same_v<T, __half> && HD >= 128;
+  constexpr bool kP16 = kGuarded || std::is_same_v<T, __half>;
+  constexpr float kPExp = kP16 ? 15.0f : 0.0f;
 
   // The merge may be scheduled (see common.cuh). Without one, the kernel after this one waits for its exit: a next
   // call's split scheduled now would hold CTA slots this grid's later waves need (on an H200, batch 64 with 1k
@@ -407,6 +418,20 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
     const uint32_t valid = *reinterpret_cast<const uint32_t*>(st + C::kMaskOff);
     const uint16_t* kss = reinterpret_cast<const uint16_t*>(st + C::kKSOff);
     const uint16_t* vss = reinterpret_cast<const uint16_t*>(st + C::kVSOff);
+    // bf16 queries over an 8-bit cache: P V in fp16 where every value scale of the tile is below kScaleMax
+    // (fp16 bits, sign cleared), tested two at a time: a half at or above it sets its top bit when added to
+    // 0x8000 - kScaleMax. Rows past the end hold zero scales.
+    bool pv16 = false;
+    if constexpr (kGuarded) {
+      constexpr uint32_t kScaleMax = std::is_same_v<S, int8_t> ? 0x6000u : 0x5800u;  // 2^9, 2^7
+      constexpr int kWords = kTile * C::kNB / 2;
+      const uint32_t* sw = reinterpret_cast<const uint32_t*>(vss);
+      uint32_t over = 0;
+#pragma unroll
+      for (int j = 0; j < (kWords + 31) / 32; ++j)
+        over |= ((sw[(lane + 32 * j) % kWords] & 0x7FFF7FFFu) + (0x8000u - kScaleMax) * 0x10001u) & 0x80008000u;
+      pv16 = __all_sync(0xffffffffu, over == 0);
+    }
 
     // ---- Scores s[nt][e] = S[head gid + 8 h][token nt*8 + 2 tig + e % 2] (h = e / 2), in fp32.
     // Unquantized keys: thread (gid, tig) reads 16-byte chunks 4 ic + tig of its key rows. 8-bit: bytes
@@ -556,50 +581,67 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
         }
       }
     }
-    uint32_t pa[4];
+    float pr[kRows][2][2];  // P, times 2^kPExp
 #pragma unroll
     for (int h = 0; h < kRows; ++h) {
-      float pr[2][2], sum = 0.0f;
+      const float mp = mn[h] - kPExp;
+      float sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          pr[nt][e] = mn[h] == -INFINITY ? 0.0f : fast_exp2(x[h][nt][e] - mn[h]);
-          sum += pr[nt][e];
+          pr[h][nt][e] = mn[h] == -INFINITY ? 0.0f : fast_exp2(x[h][nt][e] - mp);
+          sum += pr[h][nt][e];
         }
       m[h] = mn[h];
       l[h] = l[h] * corr[h] + sum;
-      pa[h] = pack2<T>(pr[0][0], pr[0][1]);      // P^T as B: tokens 2 tig, 2 tig + 1 of head gid + 8 h
-      pa[2 + h] = pack2<T>(pr[1][0], pr[1][1]);  // and tokens 2 tig + 8, 2 tig + 9
     }
 
     // ---- O^T += V^T P^T, the value columns as the m rows and the heads as the n columns (so that no half of an
     // mma is padding): thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9;
-    // elements 2 jj and 2 jj + 1 of the word are rows gid and gid + 8 of m-tile r * EPW / 2 + jj.
+    // elements 2 jj and 2 jj + 1 of the word are rows gid and gid + 8 of m-tile r * EPW / 2 + jj. In fp16 or T.
     const unsigned char* vrow = st + C::kVOff + 2 * tig * C::kVStride;
+    auto pv = [&](auto half) {
+      using M = std::conditional_t<decltype(half)::value, __half, T>;
+      uint32_t pa[4];
 #pragma unroll
-    for (int r = 0; r < C::kRW; ++r) {
-      const int wo = (gid + 8 * r) * 8;
-      const uint2 wa = *reinterpret_cast<const uint2*>(vrow + wo);
-      const uint2 wb = *reinterpret_cast<const uint2*>(vrow + C::kVStride + wo);
-      const uint2 wc = *reinterpret_cast<const uint2*>(vrow + 8 * C::kVStride + wo);
-      const uint2 wd = *reinterpret_cast<const uint2*>(vrow + 9 * C::kVStride + wo);
-      uint16_t sa = 0, sb = 0, sc = 0, sd = 0;
-      if constexpr (kQuant) {
-        const int blk = wo / kBlock;  // bytes == elements for 8-bit rows
-        const int t0 = 2 * tig;
-        sa = vss[t0 * C::kNB + blk], sb = vss[(t0 + 1) * C::kNB + blk];
-        sc = vss[(t0 + 8) * C::kNB + blk], sd = vss[(t0 + 9) * C::kNB + blk];
+      for (int h = 0; h < kRows; ++h) {
+        pa[h] = pack2<M>(pr[h][0][0], pr[h][0][1]);      // P^T as B: tokens 2 tig, 2 tig + 1 of head gid + 8 h
+        pa[2 + h] = pack2<M>(pr[h][1][0], pr[h][1][1]);  // and tokens 2 tig + 8, 2 tig + 9
       }
-      uint32_t b0[C::kEPW], b1[C::kEPW];
-      value_pairs<T, S>(wa, wb, sa, sb, b0);
-      value_pairs<T, S>(wc, wd, sc, sd, b1);
 #pragma unroll
-      for (int jj = 0; jj < C::kEPW / 2; ++jj) {
-        const uint32_t a[4] = {b0[2 * jj], b0[2 * jj + 1], b1[2 * jj], b1[2 * jj + 1]};
+      for (int r = 0; r < C::kRW; ++r) {
+        const int wo = (gid + 8 * r) * 8;
+        const uint2 wa = *reinterpret_cast<const uint2*>(vrow + wo);
+        const uint2 wb = *reinterpret_cast<const uint2*>(vrow + C::kVStride + wo);
+        const uint2 wc = *reinterpret_cast<const uint2*>(vrow + 8 * C::kVStride + wo);
+        const uint2 wd = *reinterpret_cast<const uint2*>(vrow + 9 * C::kVStride + wo);
+        uint16_t sa = 0, sb = 0, sc = 0, sd = 0;
+        if constexpr (kQuant) {
+          const int blk = wo / kBlock;  // bytes == elements for 8-bit rows
+          const int t0 = 2 * tig;
+          sa = vss[t0 * C::kNB + blk], sb = vss[(t0 + 1) * C::kNB + blk];
+          sc = vss[(t0 + 8) * C::kNB + blk], sd = vss[(t0 + 9) * C::kNB + blk];
+        }
+        uint32_t b0[C::kEPW], b1[C::kEPW];
+        value_pairs<M, S>(wa, wb, sa, sb, b0);
+        value_pairs<M, S>(wc, wd, sc, sd, b1);
 #pragma unroll
-        for (int h = 0; h < kRows; ++h) mma16816<T>(o[r * C::kEPW / 2 + jj][h], a, pa[h], pa[2 + h]);
+        for (int jj = 0; jj < C::kEPW / 2; ++jj) {
+          const uint32_t a[4] = {b0[2 * jj], b0[2 * jj + 1], b1[2 * jj], b1[2 * jj + 1]};
+#pragma unroll
+          for (int h = 0; h < kRows; ++h) mma16816<M>(o[r * C::kEPW / 2 + jj][h], a, pa[h], pa[2 + h]);
+        }
       }
+    };
+    if constexpr (kGuarded) {
+      if (pv16) {
+        pv(std::true_type{});
+      } else {
+        pv(std::false_type{});
+      }
+    } else {
+      pv(std::bool_constant<kP16>{});
     }
     __syncwarp();  // the stage is refilled by the next iteration
   }
