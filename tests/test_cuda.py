@@ -138,18 +138,22 @@ def test_dequantize_matches_reference_bit_for_bit(ops, fmt, out_dtype):
     assert torch.equal(_bytes(got), _bytes(want))
 
 
+def _decode_and_reference(ops, p, q, sm, window_left=-1, softcap=0.0):
+    """The op's decode of ``q`` over the paged cache ``p`` into a poisoned output, and the reference's in fp32."""
+    out = poison_(torch.empty_like(q))
+    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
+                         window_left, softcap, out)
+    ref = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
+                               window_left, softcap, ref)
+    return out, ref
+
+
 def _decode_case(ops, fmt, dtype, lens, hq, hkv, d, page_size, window_left=-1, softcap=0.0, q_exp=0):
     cache_dt = QUANT.get(fmt, dtype)
     p = random_paged(lens, page_size, hkv, d, cache_dt, model_dtype=dtype, device="cuda")
     q = (torch.randn(len(lens), hq, d, device="cuda") * 2.0 ** q_exp).to(dtype)
-    out = poison_(torch.empty_like(q))
-    sm = 1 / math.sqrt(d) * 2.0 ** -q_exp
-    ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
-                         window_left, softcap, out)
-    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
-    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm,
-                               window_left, softcap, ref)
-    return out, ref
+    return _decode_and_reference(ops, p, q, 1 / math.sqrt(d) * 2.0 ** -q_exp, window_left, softcap)
 
 
 def _assert_close(out, ref, lens):
@@ -226,13 +230,7 @@ def test_decode_infinite_value_scales_match_the_reference(decode_ops, fmt):
         decode_ops.store_kv(key, row, p.k_cache, p.v_cache, p.k_scale, p.v_scale, slot.view(1))
     assert torch.isinf(p.v_scale.float()).sum() == 4 and not torch.isinf(p.k_scale.float()).any()
     q = torch.randn(2, 8, d, dtype=torch.bfloat16, device="cuda")
-    out = poison_(torch.empty_like(q))
-    sm = d ** -0.5
-    decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
-                                0.0, out)
-    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
-    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
-                               0.0, ref)
+    out, ref = _decode_and_reference(decode_ops, p, q, d ** -0.5)
     o = out.float()
     assert torch.isnan(ref).any() and torch.isposinf(ref).any() and torch.isneginf(ref).any()
     for test in (torch.isnan, torch.isposinf, torch.isneginf):
@@ -260,13 +258,7 @@ def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group)
     big = p.v_scale.view(-1, hkv, d // 32)[slots, 1].float()
     assert (big >= {"q8_0": 512, "fp8_e4m3": 128}[fmt]).all() and torch.isfinite(big).all()
     q = torch.randn(2, hkv * group, d, dtype=torch.bfloat16, device="cuda")
-    out = poison_(torch.empty_like(q))
-    sm = d ** -0.5
-    decode_ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
-                                0.0, out)
-    ref = torch.empty(q.shape, dtype=torch.float32, device="cuda")
-    reference.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens, sm, -1,
-                               0.0, ref)
+    out, ref = _decode_and_reference(decode_ops, p, q, d ** -0.5)
     assert ref[:, group:].abs().max() > 1e3  # the large values reach kv head 1's outputs
     for heads in (slice(0, group), slice(group, 2 * group)):
         o, r = out[:, heads], ref[:, heads]
