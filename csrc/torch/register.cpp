@@ -41,9 +41,11 @@ static PyObject* set_decode_heads(PyObject*, PyObject* arg) {
   return choose(arg, names, kvq_set_decode_heads, "decode kv-head mapping");
 }
 
+// The set_*_pdl choices of both attention ops, in the order ops.h's dependent_launches() decodes them.
+static const char* const kPdlNames[] = {"auto", "off", "merge"};
+
 static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "off", "merge"};
-  return choose(arg, names, kvq_set_decode_pdl, "decode programmatic launch");
+  return choose(arg, kPdlNames, kvq_set_decode_pdl, "decode programmatic launch");
 }
 
 #ifdef KVQ_HAS_EXTEND
@@ -53,8 +55,7 @@ static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
 }
 
 static PyObject* set_extend_pdl(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "off", "merge"};
-  return choose(arg, names, kvq_set_extend_pdl, "extend programmatic launch");
+  return choose(arg, kPdlNames, kvq_set_extend_pdl, "extend programmatic launch");
 }
 
 static PyObject* set_extend_splits(PyObject*, PyObject* arg) {
