@@ -259,7 +259,9 @@ def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group)
     assert (big >= {"q8_0": 512, "fp8_e4m3": 128}[fmt]).all() and torch.isfinite(big).all()
     q = torch.randn(2, hkv * group, d, dtype=torch.bfloat16, device="cuda")
     out, ref = _decode_and_reference(decode_ops, p, q, d ** -0.5)
-    assert ref[:, group:].abs().max() > 1e3  # the large values reach kv head 1's outputs
+    # The large values reach kv head 1's outputs: weighted by probabilities of about 1/300-1/1000, they put its
+    # largest output in the hundreds (unit-scale values give about 1; 1e3, the bound before, failed on some draws).
+    assert ref[:, group:].abs().max() > 1e2
     for heads in (slice(0, group), slice(group, 2 * group)):
         o, r = out[:, heads], ref[:, heads]
         assert torch.isfinite(o).all()
