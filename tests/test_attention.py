@@ -163,14 +163,15 @@ def test_decode_gpu(backend, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=["32-8-d128", "9-3-d64"])
-def test_decode_long_gpu(backend, fmt, heads):
-    """Two long sequences: on a 132-SM GPU the CUDA rule gives the 8-bit cases at 32/8 heads one kv head per
-    warp (a warp walks over 48 tiles), the unquantized ones a CTA per head; Triton runs one-warp programs that
-    read the 8-bit values as words."""
+@pytest.mark.parametrize("case", [(32, 8, 128, [131072, 70001]), (9, 3, 64, [131072, 70001]), (32, 8, 128, [120001]),
+                                  (16, 2, 256, [65536])], ids=["32-8-d128", "9-3-d64", "32-8-d128-one", "16-2-d256-one"])
+def test_decode_long_gpu(backend, fmt, case):
+    """Long sequences: on a 132-SM GPU the CUDA rule gives the 8-bit cases at 32/8 heads one kv head per warp
+    (a warp walks over 48 tiles), the unquantized ones a CTA per head; Triton runs one-warp programs that read
+    the 8-bit values as words. A single sequence makes over 64 splits whose merge takes 32 columns per CTA."""
     dt = torch.float16 if fmt == "fp16" else torch.bfloat16
-    hq, hkv, d = heads
-    check_decode(backend, fmt, dt, hq, hkv, d, 16, [131072, 70001], device="cuda")
+    hq, hkv, d, lens = case
+    check_decode(backend, fmt, dt, hq, hkv, d, 16, lens, device="cuda")
 
 
 @pytest.mark.gpu

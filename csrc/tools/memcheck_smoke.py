@@ -68,6 +68,19 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
             with pinned("set_extend_shape", shape), pinned("set_extend_splits", splits):
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
+# One long sequence: over 64 splits, merged 32 columns per CTA.
+for cache_dt in (torch.int8, torch.bfloat16):
+    kc, ks = kvq.new_cache(40, 16, 2, 256, cache_dt, dev)
+    vc, vs = kvq.new_cache(40, 16, 2, 256, cache_dt, dev)
+    key = torch.randn(640, 2, 256, dtype=torch.bfloat16, device=dev)
+    torch.ops.kvq.store_kv(key, torch.randn_like(key), kc, vc, ks, vs, torch.arange(640, device=dev))
+    table = torch.randint(0, 40, (1, 4096), dtype=torch.int32, device=dev)
+    lens = torch.tensor([65536], dtype=torch.int32, device=dev)
+    q = torch.randn(1, 16, 256, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(q)
+    for heads in ("auto", "warp"):
+        with pinned("set_decode_heads", heads):
+            torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
 # More (sequence, kv head) pairs than the GPU holds at once: splits chosen to fill whole waves.
 for cache_dt in (torch.int8, torch.bfloat16):
     kc, ks = kvq.new_cache(40, 16, 8, 128, cache_dt, dev)

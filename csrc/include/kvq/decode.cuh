@@ -395,16 +395,16 @@ __device__ __forceinline__ HeadPartials head_partials(const DecodeParams& p, int
   return {ws.ml + row * 2, ws.acc + row * p.head_dim};
 }
 
-// grid (num_q_heads, batch, head_dim / kMergeCols); block kMergeThreads: combine the partials of one query
-// head for 64 of its columns. Each part's weight is computed once per CTA (one thread per part), and the
-// columns are summed by kMergeThreads / 64 groups of threads over interleaved parts, so no thread walks the
+// grid (num_q_heads, batch, head_dim / kCols); block kMergeThreads: combine the partials of one query
+// head for kCols of its columns. Each part's weight is computed once per CTA (one thread per part), and the
+// columns are summed by kMergeThreads / kCols groups of threads over interleaved parts, so no thread walks the
 // whole list of splits and a long split list of few heads still spreads over many CTAs. kPre > 0: a thread
 // loads its first kPre accumulator values with the (m, l) pairs, before the reductions, so that up to
-// kPre * 4 parts cost one global round trip rather than two (for long part lists, whose grids are small: the
-// registers it takes would cut the occupancy of the large grids of short lists).
-template <typename O, int kPre>
+// kPre * kMergeThreads / kCols parts cost one global round trip rather than two (for long part lists, whose grids
+// are small: the registers it takes would cut the occupancy of the large grids of short lists).
+template <typename O, int kPre, int kCols = kMergeCols>
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParams p, int parts) {
-  constexpr int kGroups = kMergeThreads / kMergeCols;
+  constexpr int kGroups = kMergeThreads / kCols;
   __shared__ float w_s[kMaxParts];
   __shared__ float o_s[kMergeThreads];
   __shared__ float scratch[kMergeThreads / 32];
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
   const auto [ml, acc] = head_partials(p, parts, b, h);
-  const int g = tid / kMergeCols, d = blockIdx.z * kMergeCols + tid % kMergeCols;
+  const int g = tid / kCols, d = blockIdx.z * kCols + tid % kCols;
   float pre[kPre > 0 ? kPre : 1];
 #pragma unroll
   for (int k = 0; k < kPre; ++k) {
@@ -442,10 +442,10 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   for (int i = g + kPre * kGroups; i < parts; i += kGroups) o += acc[static_cast<int64_t>(i) * hd + d] * w_s[i];
   o_s[tid] = o;
   __syncthreads();
-  if (tid < kMergeCols) {
+  if (tid < kCols) {
     float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kGroups; ++k) sum += o_s[k * kMergeCols + tid];
+    for (int k = 0; k < kGroups; ++k) sum += o_s[k * kCols + tid];
     static_cast<O*>(p.out)[b * p.o_stride_batch + h * p.o_stride_head + d] = from_float<O>(normalized(sum, L));
   }
 }
@@ -520,8 +520,17 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
     // that cost occupancy (14-23% more time at 16/2 d256, batch 64). Past 64 parts on a grid of at most one CTA
     // per SM (batch 1), the first 32 (on an H200, batch 1 with 128k tokens: 32/8 d128 q8_0 85.3 -> 85.0 us, 16/2
     // d256 50.3 -> 49.5, 9/3 d64 26.3 -> 25.8; on the larger grid of 32/8 d128 at batch 8 with 32k, 1.7% more).
+    // Where half as many columns per CTA still fit one CTA per SM, that, and 17 early loads per thread (136
+    // parts in one round trip): each CTA reads half the partials, and on an H200 the merge took 2.0 instead of
+    // 2.5 us after the split kernel (32/8 d128, batch 1 with 128k tokens, 132 parts), the calls 0.9-1.0% less
+    // time there, 0.3-0.5% with 256k, 1.5-2.0% at 9/3 d64 and 16/2 d256 with 128k.
     if (parts >= 4 && parts <= detail::kShortMergeParts) return launch(detail::decode_merge_short_kernel<O>, p, parts);
-    if (parts > 64 && launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
+    if (parts > 64) {
+      const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / 32), dim3(detail::kMergeThreads), stream,
+                                   p.dependent_merge);
+      if (narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_kernel<O, 17, 32>, p, parts);
+      if (launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
+    }
     if (parts > detail::kShortMergeParts) return launch(detail::decode_merge_kernel<O, 16>, p, parts);
     return launch(detail::decode_merge_kernel<O, 0>, p, parts);
   });
