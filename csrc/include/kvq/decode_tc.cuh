@@ -647,16 +647,19 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   }
   cp_async_wait<0>();
 
-  if constexpr (HD == 128) {
+  constexpr bool kWarpWrites = HD == 128;
+  if constexpr (kWarpWrites) {
     if (warp_heads) {
       // One kv head per warp at head_dim 128: its partial goes from registers to the workspace (or, with one
       // split, the output), with no block barrier, so a warp that ends early does not wait for the CTA's last. On
       // an H200 (32/8 heads, 8-bit) the split kernel's last stores came 1.1 us sooner after its loop at batch 1 with
       // 128k tokens (0.55 against 1.66 us), and the calls took 1.2-1.6% less time there and with 256k tokens, 0.8%
-      // less at batch 8 with 32k; the outputs were equal to the bit. A build with it at every head_dim took 1.7-3.1%
-      // more time at 9/3 heads d64 (q8_0, batch 8 with 32k tokens and batch 1 with 256k), whose tile loop compiled
-      // to the same instructions, for a reason not found, and d256 was not timed with it: those head_dims keep the
-      // shared-memory combine below for both mappings (their machine code is the one before, by cuobjdump).
+      // less at batch 8 with 32k; the outputs were equal to the bit. Other head_dims keep the shared-memory combine
+      // below for both mappings: with it at every head_dim, 9/3 heads d64 took 1.7-3.1% more time (q8_0, batch 8 with
+      // 32k tokens and batch 1 with 256k), whose tile loop compiled to the same instructions, for a reason not found;
+      // at d256 (8-bit only: the 16-row bf16 instances spilled with it) 16/2 heads took the same time at batch 1 with
+      // 128k-256k tokens, 1-1.5% less with 32k and at batch 8 with 128k, and at batch 64 with 4k 94.8-99.7 against
+      // 89.0-97.4 us (three alternated processes each).
       const int64_t head0 = static_cast<int64_t>(b) * p.num_q_heads + kvh * G;
       const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
 #pragma unroll
@@ -709,7 +712,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   // [warps][GMAX][HD], then [warps][GMAX][2], for the warps this CTA runs: a CTA of fewer warps than kWarps
   // (one kv head per warp) has the shared memory of as many (kSmem / kWarps per warp). At head_dim 128 only CTAs of
   // one kv head come here, with kWarps warps.
-  const int cta_warps = HD == 128 ? C::kWarps : blockDim.x / 32;
+  const int cta_warps = kWarpWrites ? C::kWarps : blockDim.x / 32;
   float* red_o = reinterpret_cast<float*>(smem);
   float* red_ml = red_o + cta_warps * GMAX * HD;
 #pragma unroll
@@ -742,87 +745,53 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   }
   __syncthreads();
   const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
-  if constexpr (HD == 128) {
-    // The CTA's kv head from its kWarps warps' partials. Four columns per thread and step: 16-byte shared-memory
-    // reads and global stores.
-    for (int i = threadIdx.x; i < G * HD / 4; i += blockDim.x) {
-      const int g = 4 * i / HD, d = 4 * i % HD;
-      float mx = -INFINITY;
+  // Each kv head of the CTA from the partials of its kW warps. Four columns per thread and step: 16-byte
+  // shared-memory reads and global stores.
+  auto combine = [&](auto warps_per_head) {
+    constexpr int kW = decltype(warps_per_head)::value;
+    const int heads = kWarpWrites ? 1 : blockDim.x / (32 * kW);
+    for (int hh = 0; hh < heads; ++hh) {
+      const int head = kWarpWrites ? kvh : blockIdx.y * heads + hh;
+      for (int i = threadIdx.x; i < G * HD / 4; i += blockDim.x) {
+        const int g = 4 * i / HD, d = 4 * i % HD;
+        float mx = -INFINITY;
 #pragma unroll
-      for (int w = 0; w < C::kWarps; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
-      float lsum = 0.0f;
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (mx != -INFINITY) {
+        for (int w = hh * kW; w < (hh + 1) * kW; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
+        float lsum = 0.0f;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (mx != -INFINITY) {
 #pragma unroll
-        for (int w = 0; w < C::kWarps; ++w) {
-          const float mw = red_ml[(w * GMAX + g) * 2];
-          const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
-          lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
-          const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
-          acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
+          for (int w = hh * kW; w < (hh + 1) * kW; ++w) {
+            const float mw = red_ml[(w * GMAX + g) * 2];
+            const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
+            lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
+            const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
+            acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
+          }
         }
-      }
-      if (p.num_splits == 1) {
-        T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (kvh * G + g) * p.o_stride_head + d;
-        const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+        if (p.num_splits == 1) {
+          T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (head * G + g) * p.o_stride_head + d;
+          const float v[4] = {acc.x, acc.y, acc.z, acc.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) out[j] = from_float<T>(detail::normalized(v[j], lsum));
-        continue;
-      }
-      const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + kvh * G + g) * p.num_splits + split;
-      *reinterpret_cast<float4*>(ws.acc + row * HD + d) = acc;
-      if (d == 0) {
-        ws.ml[row * 2] = mx;
-        ws.ml[row * 2 + 1] = lsum;
+          for (int j = 0; j < 4; ++j) out[j] = from_float<T>(detail::normalized(v[j], lsum));
+          continue;
+        }
+        const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head * G + g) * p.num_splits + split;
+        *reinterpret_cast<float4*>(ws.acc + row * HD + d) = acc;
+        if (d == 0) {
+          ws.ml[row * 2] = mx;
+          ws.ml[row * 2 + 1] = lsum;
+        }
       }
     }
-  } else {
-    // Each kv head of the CTA from the partials of its kW warps. Four columns per thread and step: 16-byte
-    // shared-memory reads and global stores.
-    auto combine = [&](auto warps_per_head) {
-      constexpr int kW = decltype(warps_per_head)::value;
-      const int heads = blockDim.x / (32 * kW);
-      for (int hh = 0; hh < heads; ++hh) {
-        const int head = blockIdx.y * heads + hh;
-        for (int i = threadIdx.x; i < G * HD / 4; i += blockDim.x) {
-          const int g = 4 * i / HD, d = 4 * i % HD;
-          float mx = -INFINITY;
-#pragma unroll
-          for (int w = hh * kW; w < (hh + 1) * kW; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
-          float lsum = 0.0f;
-          float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          if (mx != -INFINITY) {
-#pragma unroll
-            for (int w = hh * kW; w < (hh + 1) * kW; ++w) {
-              const float mw = red_ml[(w * GMAX + g) * 2];
-              const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
-              lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
-              const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
-              acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
-            }
-          }
-          if (p.num_splits == 1) {
-            T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (head * G + g) * p.o_stride_head + d;
-            const float v[4] = {acc.x, acc.y, acc.z, acc.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) out[j] = from_float<T>(detail::normalized(v[j], lsum));
-            continue;
-          }
-          const int64_t row = (static_cast<int64_t>(b) * p.num_q_heads + head * G + g) * p.num_splits + split;
-          *reinterpret_cast<float4*>(ws.acc + row * HD + d) = acc;
-          if (d == 0) {
-            ws.ml[row * 2] = mx;
-            ws.ml[row * 2 + 1] = lsum;
-          }
-        }
-      }
-    };
+  };
+  if constexpr (!kWarpWrites) {
     if (warp_heads) {
       combine(std::integral_constant<int, 1>{});
-    } else {
-      combine(std::integral_constant<int, C::kWarps>{});
+      return;
     }
   }
+  combine(std::integral_constant<int, C::kWarps>{});
 }
 
 }  // namespace decode_tc
