@@ -409,11 +409,14 @@ def _config(query, k_cache, max_len, sad=None):
         per_sm = 4
         splits = split_count(block_n)
         tiles = triton.cdiv(max_len, splits * block_n)
-    if sad and d > 128 and tiles <= 2:
+    if sad and d > 128 and (tiles <= 1 or (tiles == 2 and splits * batch * hkv <= 2 * sms)):
         # Two warps suit programs that walk several tiles; four split each tile's columns between them, which
-        # shortens programs of one or two tiles (short sequences). Where those programs do not fill the SMs
-        # once, 32-token tiles on twice the programs as well (on an H200, batch 1, 16/2 heads: 9.4 vs 10.4 us
-        # at 4k tokens, 7.0 vs 9.1 at 1k; with batch 8 at 1k, where they would fill them twice, 15 vs 13 us).
+        # shortens programs of one tile, and of two where the programs fill the SMs at most twice. (Two-tile
+        # programs in larger grids took 8-17% less time with two warps on an H200: 16/2, 32/4, 16/8 and 8/1 heads,
+        # batch 1-32, 512-32k tokens, q8_0 and fp8_e4m3, e.g. 16/2 heads at batch 1 with 32k tokens 33.2 -> 29.0 us;
+        # 8/1 heads at batch 1, 256 programs, up to 8% more.) Where those programs do not fill the SMs once,
+        # 32-token tiles on twice the programs as well (on an H200, batch 1, 16/2 heads: 9.4 vs 10.4 us at 4k
+        # tokens, 7.0 vs 9.1 at 1k; with batch 8 at 1k, where they would fill them twice, 15 vs 13 us).
         warps = 4
         if splits * batch * hkv <= sms:
             block_n, splits = 32, split_count(32)
