@@ -647,6 +647,15 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   }
   cp_async_wait<0>();
 
+  // Value columns (gid + 8 r) * EPW + [0, EPW) of accumulator column e of row block h: row gid (gid + 8) of m-tile
+  // r * EPW / 2 + jj is value column (gid + 8 r) * EPW + 2 jj (+ 1).
+  auto value_columns = [&](int r, int h, int e, float (&v)[C::kEPW]) {
+#pragma unroll
+    for (int jj = 0; jj < C::kEPW / 2; ++jj) {
+      v[2 * jj] = o[r * C::kEPW / 2 + jj][h][e];
+      v[2 * jj + 1] = o[r * C::kEPW / 2 + jj][h][2 + e];
+    }
+  };
   constexpr bool kWarpWrites = HD == 128;
   if constexpr (kWarpWrites) {
     if (warp_heads) {
@@ -681,11 +690,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 #pragma unroll
           for (int r = 0; r < C::kRW; ++r) {
             float v[C::kEPW];
-#pragma unroll
-            for (int jj = 0; jj < C::kEPW / 2; ++jj) {
-              v[2 * jj] = o[r * C::kEPW / 2 + jj][h][e];
-              v[2 * jj + 1] = o[r * C::kEPW / 2 + jj][h][2 + e];
-            }
+            value_columns(r, h, e, v);
             const int d0 = (gid + 8 * r) * C::kEPW;
             if (p.num_splits == 1) {
               T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (kvh * G + head) * p.o_stride_head + d0;
@@ -707,7 +712,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   // ---- combine the warps in shared memory (the ring is free now), then write one partial per split
   // (layout of decode.cuh, parts = num_splits), or with a single split the output itself, normalized as the
   // merge would (no merge kernel then: on an H200 it took 10.8 of 89 us at batch 64, 32/8 heads, 1k tokens).
-  // Row gid (gid + 8) of m-tile r * EPW / 2 + jj is value column (gid + 8 r) * EPW + 2 jj (+ 1).
   __syncthreads();
   // [warps][GMAX][HD], then [warps][GMAX][2], for the warps this CTA runs: a CTA of fewer warps than kWarps
   // (one kv head per warp) has the shared memory of as many (kSmem / kWarps per warp). At head_dim 128 only CTAs of
@@ -731,11 +735,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 #pragma unroll
       for (int r = 0; r < C::kRW; ++r) {
         float v[C::kEPW];
-#pragma unroll
-        for (int jj = 0; jj < C::kEPW / 2; ++jj) {
-          v[2 * jj] = o[r * C::kEPW / 2 + jj][h][e];
-          v[2 * jj + 1] = o[r * C::kEPW / 2 + jj][h][2 + e];
-        }
+        value_columns(r, h, e, v);
         float* d0 = dst + (gid + 8 * r) * C::kEPW;
 #pragma unroll
         for (int j = 0; j < C::kEPW; j += 4)
