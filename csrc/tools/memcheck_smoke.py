@@ -68,12 +68,20 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
             with pinned("set_extend_shape", shape), pinned("set_extend_splits", splits):
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, -1, 0.0, outx)
                 torch.ops.kvq.extend_attention(qx, kx, vx, kc, vc, ks, vs, table, prefix, cu, 0.1, True, 30, 5.0, outx)
+
+
+def filled_cache(cache_dt, hkv: int, d: int):
+    """K and V caches of 40 pages of 16 tokens, every slot stored."""
+    kc, ks = kvq.new_cache(40, 16, hkv, d, cache_dt, dev)
+    vc, vs = kvq.new_cache(40, 16, hkv, d, cache_dt, dev)
+    key = torch.randn(640, hkv, d, dtype=torch.bfloat16, device=dev)
+    torch.ops.kvq.store_kv(key, torch.randn_like(key), kc, vc, ks, vs, torch.arange(640, device=dev))
+    return kc, vc, ks, vs
+
+
 # One long sequence: over 64 splits, merged 32 columns per CTA.
 for cache_dt in (torch.int8, torch.bfloat16):
-    kc, ks = kvq.new_cache(40, 16, 2, 256, cache_dt, dev)
-    vc, vs = kvq.new_cache(40, 16, 2, 256, cache_dt, dev)
-    key = torch.randn(640, 2, 256, dtype=torch.bfloat16, device=dev)
-    torch.ops.kvq.store_kv(key, torch.randn_like(key), kc, vc, ks, vs, torch.arange(640, device=dev))
+    kc, vc, ks, vs = filled_cache(cache_dt, 2, 256)
     table = torch.randint(0, 40, (1, 4096), dtype=torch.int32, device=dev)
     lens = torch.tensor([65536], dtype=torch.int32, device=dev)
     q = torch.randn(1, 16, 256, dtype=torch.bfloat16, device=dev)
@@ -83,10 +91,7 @@ for cache_dt in (torch.int8, torch.bfloat16):
             torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
 # More (sequence, kv head) pairs than the GPU holds at once: splits chosen to fill whole waves.
 for cache_dt in (torch.int8, torch.bfloat16):
-    kc, ks = kvq.new_cache(40, 16, 8, 128, cache_dt, dev)
-    vc, vs = kvq.new_cache(40, 16, 8, 128, cache_dt, dev)
-    key = torch.randn(640, 8, 128, dtype=torch.bfloat16, device=dev)
-    torch.ops.kvq.store_kv(key, torch.randn_like(key), kc, vc, ks, vs, torch.arange(640, device=dev))
+    kc, vc, ks, vs = filled_cache(cache_dt, 8, 128)
     table = torch.randint(0, 40, (160, 128), dtype=torch.int32, device=dev)
     lens = torch.randint(0, 2049, (160,), dtype=torch.int32, device=dev)
     q = torch.randn(160, 32, 128, dtype=torch.bfloat16, device=dev)
