@@ -36,9 +36,13 @@ constexpr int kTensorCoreGroup = 1;
 // - One kv head per warp instead of per CTA, where the kv heads divide into the warps: a token's scales of all kv
 //   heads are one short row, so warps walking the same tokens for different heads share the scale lines in L1
 //   (a CTA per head pays an L2 request per two tokens' scales at 32/8 heads, d128). It needs as many times the
-//   splits as the CTA has warps, so for 8-bit caches it pays only where each warp walks >= 48 tiles, or >= 128
+//   splits as the CTA has warps, so for 8-bit caches it pays only where each warp walks long enough: >= 128 tiles
 //   where the per-CTA mapping would need no merge at all (batch 1 with 128k tokens, batch 8 with 32k: up to 7%
-//   less time at d64; at batch 1 with 32k tokens it cost 8%). Its splits are sized for the full occupancy where
+//   less time at d64); where it splits too, >= 24 tiles over several groups of kv heads (40/8, 64/8 and 32/8 d64
+//   heads with 31-47 tiles, batch 1-8: 0.939-1.022x the time, 0.973x geometric mean over 24 shapes) and >= 48
+//   over one (28/4, 32/4 heads with 31 tiles: 1.013-1.020x), and from 4k tokens any walk at head_dim 128 with up
+//   to 4 query heads per kv head (32/8 and 16/8 heads, batch 1-4 with 4k-64k tokens: 0.919-1.017x, 0.970x over
+//   17 shapes; at 1k-2k tokens the larger merge cost 6-11%). Its splits are sized for the full occupancy where
 //   a warp still walks >= 128 tiles (batch 8 with 128k tokens: about 8% less time than at two CTAs per SM, in
 //   separate runs), for two CTAs per SM otherwise. bf16 caches have no scales, but where the pairs exceed two
 //   CTAs per SM and one CTA per (sequence, group of kv heads) fits a wave, that mapping without splits took
@@ -99,7 +103,9 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   } else if (quantized) {
     const int full = splits_for(groups, 1, shape.ctas_per_sm);
     const int s = tiles_per_warp(full, 1) >= 128 ? full : splits_for(groups, 1, c);
-    if (walks_long(s)) per_warp = s;
+    const bool several = groups > 1 && splits > 1;
+    const bool narrow = p.head_dim == 128 && p.num_q_heads <= 4 * p.num_kv_heads && max_tokens >= 4096;
+    if (several ? narrow || tiles_per_warp(s, 1) >= 24 : walks_long(s)) per_warp = s;
   } else if (pairs > int64_t{sms} * std::min(shape.ctas_per_sm, 2) &&
              int64_t{p.batch} * groups <= int64_t{sms} * shape.ctas_per_sm) {
     per_warp = splits_for(groups, 1, 1);
