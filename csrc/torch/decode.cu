@@ -41,7 +41,7 @@ constexpr int kTensorCoreGroup = 1;
 //   less time at d64); where it splits too, >= 24 tiles over several groups of kv heads (40/8, 64/8 and 32/8 d64
 //   heads with 31-47 tiles, batch 1-8: 0.939-1.022x the time, 0.973x geometric mean over 24 shapes) and >= 48
 //   over one (28/4, 32/4 heads with 31 tiles: 1.013-1.020x), and from 4k tokens any walk at head_dim 128 with up
-//   to 4 query heads per kv head (32/8 and 16/8 heads, batch 1-4 with 4k-64k tokens: 0.919-1.017x, 0.970x over
+//   to 4 query heads per kv head (32/8 and 16/8 heads, batch 1-4 with 4k-32k tokens: 0.919-1.017x, 0.970x over
 //   17 shapes; at 1k-2k tokens the larger merge cost 6-11%). Its splits are sized for the full occupancy where
 //   a warp still walks >= 128 tiles (batch 8 with 128k tokens: about 8% less time than at two CTAs per SM, in
 //   separate runs), for two CTAs per SM otherwise. bf16 caches have no scales, but where the pairs exceed two
