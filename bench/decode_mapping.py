@@ -1,0 +1,72 @@
+"""The CUDA decode's kv-head mapping: the rule ("auto") against one kv head per CTA ("cta") and one per warp
+("warp") pinned, for 8-bit caches over head layouts, batches and lengths (the sweep behind the mapping rule in
+csrc/torch/decode.cu).
+
+    python bench/decode_mapping.py [--out results.json] [--fmt q8_0,fp8_e4m3] [--rounds 3]
+
+Method as in kvq.benchmark: each shape is replicated until the working set is at least 4x L2, the calls over all
+replicas are captured in one CUDA graph, and a replay's time / replicas is one sample (median). The three
+mappings are alternated ``--rounds`` times in one process and the fastest time of each is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from kvq import benchmark as kb
+from kvq.backends import pinned_cuda_kernel
+
+# (query heads, kv heads, head_dim) x (batch, tokens per sequence)
+LAYOUTS = [(32, 8, 128), (40, 8, 128), (64, 8, 128), (16, 8, 128), (32, 32, 128), (28, 4, 128), (32, 4, 128),
+           (32, 8, 64), (9, 3, 64), (16, 2, 256), (8, 4, 256)]
+SIZES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 65536), (2, 32768), (4, 16384), (8, 8192), (64, 4096)]
+MAPPINGS = ("auto", "cta", "warp")
+PAGE = 16
+
+
+def time_shape(fmt: str, batch: int, tokens: int, hq: int, hkv: int, d: int, rounds: int) -> dict:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    pool = kb.paged_pool(fmt, kb.rotation(kb.kv_bytes(batch * tokens, hkv, d, fmt), l2, 16), batch, tokens, hkv, d,
+                         PAGE)
+    lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    calls = [lambda t=t: torch.ops.kvq.decode_attention(q, pool.k, pool.v, pool.ks, pool.vs, t, lens,
+                                                        1 / math.sqrt(d), -1, 0.0, out) for t in pool.tables]
+    best = {}
+    for _ in range(rounds):
+        for m in MAPPINGS:
+            with pinned_cuda_kernel("set_decode_heads", m):
+                best[m] = min(best.get(m, math.inf), kb.time_calls(calls).us)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write the times (µs) as JSON here")
+    ap.add_argument("--fmt", default="q8_0", help="comma list of q8_0, fp8_e4m3")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_mapping.py times the CUDA kernels: it needs a CUDA GPU and kvq._C built")
+    res = {}
+    for fmt in args.fmt.split(","):
+        for hq, hkv, d in LAYOUTS:
+            for batch, tokens in SIZES:
+                best = time_shape(fmt, batch, tokens, hq, hkv, d, args.rounds)
+                key = f"{fmt} B{batch} {tokens} {hq}/{hkv} d{d}"
+                res[key] = best
+                print(f"{key:30s}", " ".join(f"{m}={v:8.2f}" for m, v in best.items()),
+                      f"warp/cta={best['warp'] / best['cta']:.3f}", flush=True)
+                torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"unit": "us", "shapes": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
