@@ -17,6 +17,7 @@ import math
 
 import torch
 
+import kvq
 from kvq import benchmark as kb
 from kvq.backends import pinned_cuda_kernel
 
@@ -28,8 +29,7 @@ MAPPINGS = ("auto", "cta", "warp")
 PAGE = 16
 
 
-def time_shape(fmt: str, batch: int, tokens: int, hq: int, hkv: int, d: int, rounds: int) -> dict:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+def time_shape(fmt: str, batch: int, tokens: int, hq: int, hkv: int, d: int, rounds: int, l2: int) -> dict:
     pool = kb.paged_pool(fmt, kb.rotation(kb.kv_bytes(batch * tokens, hkv, d, fmt), l2, 16), batch, tokens, hkv, d,
                          PAGE)
     lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
@@ -51,13 +51,14 @@ def main() -> None:
     ap.add_argument("--fmt", default="q8_0", help="comma list of q8_0, fp8_e4m3")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_mapping.py times the CUDA kernels: it needs a CUDA GPU and kvq._C built")
+    if kvq.backends.selection().active != "cuda":
+        raise SystemExit("decode_mapping.py times the CUDA kernels: the CUDA extension is not active; build it first")
+    l2 = kb._l2_bytes()
     res = {}
     for fmt in args.fmt.split(","):
         for hq, hkv, d in LAYOUTS:
             for batch, tokens in SIZES:
-                best = time_shape(fmt, batch, tokens, hq, hkv, d, args.rounds)
+                best = time_shape(fmt, batch, tokens, hq, hkv, d, args.rounds, l2)
                 key = f"{fmt} B{batch} {tokens} {hq}/{hkv} d{d}"
                 res[key] = best
                 print(f"{key:30s}", " ".join(f"{m}={v:8.2f}" for m, v in best.items()),
