@@ -158,13 +158,13 @@ def info() -> dict:
 @contextlib.contextmanager
 def pinned_cuda_kernel(setter: str, choice: str):
     """Hold one kernel choice of ``kvq._C`` for the block and restore the previous one after it: ``setter`` is
-    ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp": kv heads of the
-    tensor-core decode per CTA or per warp), ``"set_decode_pdl"`` ("auto", "merge", "off": the decode split kernel
-    and merge, the merge alone, or neither, launched as programmatic dependents where the device can),
-    ``"set_extend_shape"`` ("auto", "wide", "deep", "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to
-    "4": key ranges per extend row block, merged after) or ``"set_extend_pdl"`` ("auto", "merge", "off", as for
-    decode). For tests and benchmarks, which must reach every kernel
-    whatever shape the rules would pick by."""
+    ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp", "columns": kv heads
+    of the tensor-core decode per CTA or per warp, or at head_dim 256 per CTA of warps dividing the columns),
+    ``"set_decode_pdl"`` ("auto", "merge", "off": the decode split kernel and merge, the merge alone, or neither,
+    launched as programmatic dependents where the device can), ``"set_extend_shape"`` ("auto", "wide", "deep",
+    "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged after)
+    or ``"set_extend_pdl"`` ("auto", "merge", "off", as for decode). For tests and benchmarks, which must reach
+    every kernel whatever shape the rules would pick by."""
     from kvq import _C
 
     prev = getattr(_C, setter)(choice)

@@ -24,10 +24,11 @@ def ops():
     return backend_ops("cuda")
 
 
-@pytest.fixture(params=["cuda", "cuda-fma", "cuda-warp"])
+@pytest.fixture(params=["cuda", "cuda-fma", "cuda-warp", "cuda-columns"])
 def decode_ops(request):
     """The CUDA ops with either decode kernel (tensor cores, FMA), and the tensor-core kernel with one kv head
-    per warp (CTAs of fewer warps where the kv heads do not divide into its warps: two at 2 kv heads)."""
+    per warp (CTAs of fewer warps where the kv heads do not divide into its warps: two at 2 kv heads) or with
+    the warps of a CTA dividing head_dim (unquantized caches at head_dim 256)."""
     return backend_ops(request.param)
 
 

@@ -1,5 +1,5 @@
-"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels and all four
-extend CTA shapes.
+"""Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels, each kv-head
+mapping of the tensor-core one, and all four extend CTA shapes.
 
     compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py      # out-of-range slots and pages
     compute-sanitizer --tool initcheck python csrc/tools/memcheck_smoke.py --full
@@ -50,7 +50,7 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         lens = torch.tensor([0, 12 * page_size, 3], dtype=torch.int32, device=dev)
         q = torch.randn(3, hq, d, dtype=torch.bfloat16, device=dev)
         out = torch.empty_like(q)
-        for kernel, heads in (("tc", "cta"), ("tc", "warp"), ("fma", "auto")):
+        for kernel, heads in (("tc", "cta"), ("tc", "warp"), ("tc", "columns"), ("fma", "auto")):
             with pinned("set_decode_kernel", kernel), pinned("set_decode_heads", heads):
                 torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
                 lens[1] = 12 * page_size if full else 10 ** 6  # beyond the block table: clamped
@@ -86,7 +86,7 @@ for cache_dt in (torch.int8, torch.bfloat16):
     lens = torch.tensor([65536], dtype=torch.int32, device=dev)
     q = torch.randn(1, 16, 256, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(q)
-    for heads in ("auto", "warp"):
+    for heads in ("auto", "warp", "columns"):
         with pinned("set_decode_heads", heads):
             torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
 # More (sequence, kv head) pairs than the GPU holds at once: splits chosen to fill whole waves.

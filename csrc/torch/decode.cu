@@ -19,6 +19,22 @@ std::atomic<int> g_decode_pdl{0};    // programmatic dependent launches where th
 // group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
 constexpr int kTensorCoreGroup = 1;
 
+// Column warps at head_dim 256 (p.column_warps; the split kernel in decode_tc.cuh): a CTA of four warps on one kv
+// head, each warp reading and multiplying 64 of the 256 columns of every tile, their partial scores summed in shared
+// memory once per tile. Against CTAs whose warps each read whole 16-token tiles (two warps for bf16, four for 8-bit),
+// a short split lands its first tiles sooner, but the block barrier of every tile costs bandwidth on long walks. So
+// only for few short sequences: at most 16 (sequence, kv head) pairs, and pairs x tokens up to 128k for bf16/fp16
+// caches, 16k for 8-bit ones (whose four whole-tile warps per CTA stream better than bf16's two). On an H200 (bf16
+// queries, page size 16, 16/2, 32/2, 32/4 and 8/8 heads; the rule before against column warps pinned, two
+// alternated rounds in one process, the faster of each): inside those bounds bf16 took 0.61-1.00x the time
+// (16/2 heads at batch 1 with 4k tokens 9.43 -> 8.49 us; with 32k 0.95x), 8-bit 0.63-1.00x (q8_0 there 8.43 -> 7.13
+// us); outside them column warps cost 1-6% for bf16 (15% at batch 64 with 1k tokens, where the rule runs one split
+// of two-warp CTAs) and 14-73% for 8-bit.
+bool column_warps_pay(const kvq::DecodeParams& p, bool quantized, int max_tokens) {
+  const int64_t pairs = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+  return pairs <= 16 && pairs * max_tokens <= (quantized ? 16384 : 131072);
+}
+
 // The tensor-core kernel's split count and kv-head mapping (p.num_splits, p.heads_per_cta), from shapes only.
 // Measured on an H200: 120 shapes (6 head layouts, batch 1-64, 1k-128k tokens, bf16 and q8_0), each against every
 // split count sized for one to four CTAs per SM, with both mappings; then checked against the previous rule (one
@@ -80,6 +96,12 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     splits = 2;
   p.num_splits = splits;
   p.heads_per_cta = 1;
+  if (p.column_warps > 1) {
+    // The CTA's warps walk each tile together: the token math of one warp. Splits for two CTAs per SM: inside the
+    // bounds of column_warps_pay, one per SM took 0.93-1.25x that time and three per SM 0.97-1.14x (H200, same runs).
+    p.num_splits = splits_for(p.num_kv_heads, 1, std::min(shape.ctas_per_sm, 2));
+    return;
+  }
   if (heads_choice == 1 || w < 2) return;
   // kv heads per CTA for one per warp: the warps, or where they do not divide the kv heads the largest divisor of
   // the kv heads below them, in a CTA of that many warps.
@@ -206,7 +228,10 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   const int max_tokens = static_cast<int>(std::min<int64_t>(block_table.size(1) * c.page_size, INT32_MAX));
   const int sms = sm_count(dev.index());
   if (tc) {
-    plan_tc_splits(p, kvq::decode_tc_shape(p), c.quantized, max_tokens, sms, g_decode_heads.load());
+    const int heads_choice = g_decode_heads.load();
+    if (p.head_dim == 256 && (heads_choice == 3 || (heads_choice == 0 && column_warps_pay(p, c.quantized, max_tokens))))
+      p.column_warps = 4;
+    plan_tc_splits(p, kvq::decode_tc_shape(p), c.quantized, max_tokens, sms, heads_choice);
   } else {  // FMA: splits of at least two chunks per warp, over two CTAs per SM
     p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
                                           2 * warps * kvq::detail::kChunkTokens, 2 * sms);

@@ -37,7 +37,7 @@ static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
 }
 
 static PyObject* set_decode_heads(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "cta", "warp"};
+  static const char* const names[] = {"auto", "cta", "warp", "columns"};
   return choose(arg, names, kvq_set_decode_heads, "decode kv-head mapping");
 }
 
@@ -68,9 +68,10 @@ static PyMethodDef kMethods[] = {
     {"set_decode_kernel", set_decode_kernel, METH_O,
      "Choose the CUDA decode kernel: 'auto' (by GQA group size), 'fma' or 'tc' (tensor cores); returns the previous."},
     {"set_decode_heads", set_decode_heads, METH_O,
-     "Map kv heads of the tensor-core decode kernel: 'auto' (by format and split length), 'cta' (one per CTA) or "
-     "'warp' (one per warp, in CTAs of as many warps as the largest divisor of the kv heads up to its warps); returns "
-     "the previous."},
+     "Map kv heads of the tensor-core decode kernel: 'auto' (by format and split length), 'cta' (one per CTA), "
+     "'warp' (one per warp, in CTAs of as many warps as the largest divisor of the kv heads up to its warps) or "
+     "'columns' (at head_dim 256, one per CTA whose four warps divide the columns; elsewhere as 'auto'); returns the "
+     "previous."},
     {"set_decode_pdl", set_decode_pdl, METH_O,
      "Programmatic dependent launches of the decode kernels (on devices of compute capability 9.0 and newer): "
      "'auto' (the split kernel after the kernel before it, the merge after the split), 'merge' (the merge only) "

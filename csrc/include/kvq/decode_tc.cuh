@@ -3,7 +3,8 @@
 // Same flash-decoding plan as decode.cuh (a CTA owns (sequence, kv head, split); each warp walks its own
 // 16-token tiles with its own softmax state; the warps are combined in shared memory and a merge kernel
 // combines the splits), but the dot products run on tensor cores. For long 8-bit splits a CTA may own one kv
-// head per warp instead, so that its warps read the same tokens' scale lines (heads_per_cta; decode.cu).
+// head per warp instead, so that its warps read the same tokens' scale lines (heads_per_cta; decode.cu). For short
+// splits at head_dim 256 its four warps may divide each tile's columns instead (column warps, Cfg's COLS).
 // Per tile and warp, with the operands placed so that no half of an mma is spent on padding rows:
 //   scores: S^T[16 tokens x 8] = K Q^T, the tokens as the m rows and up to 8 heads as the n columns, then
 //           transposed in registers (movmatrix) into rows of heads for the softmax; groups of 9 to 16 heads
@@ -41,7 +42,9 @@ using namespace ::kvq::tc;
 constexpr int kTile = 16;  // tokens per warp iteration
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename S, int HD, int GMAX>
+// COLS > 1: the CTA's COLS warps divide each row's head_dim, HD columns each (the cache's head_dim is HD * COLS),
+// and walk the same tiles, summing their partial scores in shared memory (split_kernel).
+template <typename S, int HD, int GMAX, int COLS = 1>
 struct Cfg {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
   static constexpr int kRowBytes = HD * static_cast<int>(sizeof(S));
@@ -77,14 +80,19 @@ struct Cfg {
   // d128 two stages instead of three). On an H200 that took 3-6% less time at batch 1 with 128k tokens, 14-23%
   // at batch 64 with 1k-4k tokens (32/8 d128); it lost only on fp8 at batch 64 with 128k tokens (6-7% more).
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
+  // Column warps (COLS > 1) take the CTA counts above, and after their rings two buffers of every warp's partial
+  // scores (split_kernel).
   static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8;
-  static constexpr int kWarps = 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
+  static constexpr int kWarps = COLS > 1 ? COLS : 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
   static constexpr int kCtasPerSm = kFour ? 4 : (kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3);
-  static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? 72 : 110) * 1024;
-  static constexpr int kStages = std::min(4, kSmemPerCta / (kWarps * kStageBytes));
+  static constexpr int kXchBytes = COLS > 1 ? 2 * COLS * 32 * (GMAX > 8 ? 8 : 4) * 4 : 0;
+  static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? (COLS > 1 ? 74 : 72) : 110) * 1024;
+  static constexpr int kStages = std::min(4, (kSmemPerCta - kXchBytes) / (kWarps * kStageBytes));
   static constexpr int kRing = kWarps * kStages * kStageBytes;
+  static constexpr int kXchOff = kRing;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
-  static constexpr int kSmem = std::max(kRing, kWarps * 16 * (HD + 2) * 4);
+  static constexpr int kSmem = COLS > 1 ? kRing + kXchBytes : std::max(kRing, kWarps * 16 * (HD + 2) * 4);
+  static_assert(COLS == 1 || kCtasPerSm >= 3, "decode_tc: column warps are sized for three or four CTAs per SM");
   static_assert(kSmem % kWarps == 0, "decode_tc: a CTA of fewer warps takes kSmem / kWarps per warp");
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
@@ -177,18 +185,21 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
 #endif
 
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
-template <typename S, typename T, int HD, int GMAX>
-__global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
-                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD, GMAX>::kWarps), (Cfg<S, HD, GMAX>::kCtasPerSm)))
+// COLS > 1: warp w takes columns [w HD, (w + 1) HD) of the cache's head_dim HD * COLS (Cfg).
+template <typename S, typename T, int HD, int GMAX, int COLS = 1>
+__global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
+                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD, GMAX, COLS>::kWarps),
+                                                           (Cfg<S, HD, GMAX, COLS>::kCtasPerSm)))
     split_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ FastDivmod pdm) {
-  using C = Cfg<S, HD, GMAX>;
+  using C = Cfg<S, HD, GMAX, COLS>;
+  constexpr int kHead = HD * COLS;  // the cache's head_dim
   constexpr bool kQuant = C::kQuant;
   constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
   constexpr int kRows = kRows2 ? 2 : 1;
   constexpr int KS = HD / 16;        // k-steps of Q K^T
   // P V in fp16 (see the top): for fp16 queries, and for 8-bit caches at head_dim 128 and 256 with bf16 queries tile
   // by tile (kGuarded).
-  constexpr bool kGuarded = kQuant && !std::is_same_v<T, __half> && HD >= 128;
+  constexpr bool kGuarded = kQuant && !std::is_same_v<T, __half> && kHead >= 128;
   constexpr bool kP16 = kGuarded || std::is_same_v<T, __half>;
   constexpr float kPExp = kP16 ? 15.0f : 0.0f;
 
@@ -204,10 +215,11 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 
   // One kv head per CTA, its warps taking the split's tiles round robin, or one per warp (a CTA of
   // heads_per_cta warps, at most kWarps), each warp walking the whole split of its head.
-  const bool warp_heads = p.heads_per_cta > 1;
+  const bool warp_heads = COLS == 1 && p.heads_per_cta > 1;
   const int split = blockIdx.x, kvh = warp_heads ? blockIdx.y * p.heads_per_cta + warp : blockIdx.y, b = blockIdx.z;
+  const int col0 = COLS > 1 ? warp * HD : 0;  // this warp's first column
   const int G = p.num_q_heads / p.num_kv_heads;
-  const paged_kv_t<S> cache = detail::decode_cache<S, HD>(p);
+  const paged_kv_t<S> cache = detail::decode_cache<S, kHead>(p);
 
   // Q fragments, head_dim permuted as the keys are read (see the QK loop). For 8-bit keys the scores are
   // sum over blocks of scale_block * (q . raw_block) on fp16 tensor cores: each row of q is multiplied by a
@@ -233,7 +245,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   constexpr int kQC = HD / 32;
   uint4 raw[kRows][kQC];
   auto fetch_query = [&]() {
-    const T* q = static_cast<const T*>(p.query) + b * p.q_stride_batch + kvh * G * p.q_stride_head + 8 * tig;
+    const T* q = static_cast<const T*>(p.query) + b * p.q_stride_batch + kvh * G * p.q_stride_head + col0 + 8 * tig;
 #pragma unroll
     for (int h = 0; h < kRows; ++h) {
       const int row = gid + 8 * h;
@@ -288,8 +300,9 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
         }
       }
   };
-  const detail::WarpTokens wt = warp_heads ? detail::warp_tokens<kTile>(p, cache.length(b), split, 0, 1)
-                                           : detail::warp_tokens<kTile>(p, cache.length(b), split, warp, C::kWarps);
+  const detail::WarpTokens wt = warp_heads || COLS > 1
+                                    ? detail::warp_tokens<kTile>(p, cache.length(b), split, 0, 1)
+                                    : detail::warp_tokens<kTile>(p, cache.length(b), split, warp, C::kWarps);
   const int end = wt.end, first = wt.first, step = wt.step, num_tiles = wt.count;
 
   const unsigned char* kbase = static_cast<const unsigned char*>(p.k_cache);
@@ -306,16 +319,18 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
   constexpr int kRPI = 32 / C::kNC, kIters = kTile / kRPI;
   const int r_lane = lane / C::kNC, piece = lane % C::kNC;
   const int r0 = lane % kTile;
-  const int row_bytes = p.num_kv_heads * HD * static_cast<int>(sizeof(S));  // one token of a page
-  const int lane_bytes = (kvh * HD) * static_cast<int>(sizeof(S)) + r_lane * row_bytes + piece * 16;
+  const int row_bytes = p.num_kv_heads * kHead * static_cast<int>(sizeof(S));  // one token of a page
+  const int col_bytes = col0 * static_cast<int>(sizeof(S));
+  const int lane_bytes = (kvh * kHead) * static_cast<int>(sizeof(S)) + col_bytes + r_lane * row_bytes + piece * 16;
   const unsigned char* k_lane = kbase + lane_bytes;  // row r_lane, offset 0 of page 0
   const unsigned char* v_lane = vbase + lane_bytes;
   const int64_t k_page_bytes = p.k_stride_page * static_cast<int64_t>(sizeof(S));
   const int64_t v_page_bytes = p.v_stride_page * static_cast<int64_t>(sizeof(S));
   const bool scale_of_k = lane < kTile;
   // The scales of row r0 of page 0 (fp16 elements), and the elements one token and one page apart.
-  const uint16_t* s_lane = (scale_of_k ? p.k_scale : p.v_scale) + (r0 * p.num_kv_heads + kvh) * C::kNB;
-  const int s_token = p.num_kv_heads * C::kNB;
+  const uint16_t* s_lane = (scale_of_k ? p.k_scale : p.v_scale) + (r0 * p.num_kv_heads + kvh) * C::kNB * COLS +
+                          col0 / kBlock;
+  const int s_token = p.num_kv_heads * C::kNB * COLS;
   const int64_t s_page = static_cast<int64_t>(p.page_size) * s_token;
   // Block-table entries of the warp's tiles, 32 at a time (lane l holds tile 32 k + l's page, or -1), read
   // a block ahead: a lookup in the loop would put a global round trip before every tile's copies.
@@ -373,7 +388,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
         const bool ok = page >= 0;
         const int64_t ko = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
         const int64_t vo = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
-        copy(i, kbase + ko + piece * 16, vbase + vo + piece * 16, ok);
+        copy(i, kbase + ko + col_bytes + piece * 16, vbase + vo + col_bytes + piece * 16, ok);
       }
       int64_t page;
       int off;
@@ -381,7 +396,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       const bool ok0 = page >= 0;
       valid = __ballot_sync(0xffffffffu, ok0) & 0xFFFFu;
       if constexpr (kQuant) {
-        const int64_t so = ok0 ? cache.scale_offset(page * p.page_size + off, kvh) : 0;
+        const int64_t so = ok0 ? cache.scale_offset(page * p.page_size + off, kvh) + col0 / kBlock : 0;
         cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
                                        (scale_of_k ? p.k_scale : p.v_scale) + so, ok0 ? C::kScaleBytes : 0);
       }
@@ -525,6 +540,35 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       s[0][0] = acc[0], s[0][1] = acc[1], s[1][0] = acc[2], s[1][1] = acc[3];
       s[0][2] = s[0][3] = s[1][2] = s[1][3] = 0.0f;  // no rows 8..15
     }
+    if constexpr (COLS > 1) {
+      // The scores over all columns: every warp adds the COLS partials in the same order, so all of them hold
+      // the same scores, softmax state and P. Two buffers by tile parity: a warp writes this one again only
+      // after the next tile's barrier, which every warp reaches after its reads here. Each partial carries its
+      // own query scale (8-bit caches: each warp scales its columns of the query by its own power of two).
+#pragma unroll
+      for (int h = 0; h < kRows; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s[nt][2 * h + e] *= qs[h];
+      constexpr int kX = kRows2 ? 8 : 4;
+      float4* xch = reinterpret_cast<float4*>(smem + C::kXchOff) + (c & 1) * (COLS * 32 * kX / 4);
+      xch[warp * 32 * kX / 4 + lane * kX / 4] = make_float4(s[0][0], s[0][1], s[1][0], s[1][1]);
+      if constexpr (kRows2) xch[warp * 32 * 2 + lane * 2 + 1] = make_float4(s[0][2], s[0][3], s[1][2], s[1][3]);
+      __syncthreads();
+      float4 sum = xch[lane * kX / 4], sum2 = kRows2 ? xch[lane * 2 + 1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int w = 1; w < COLS; ++w) {
+        const float4 a = xch[w * 32 * kX / 4 + lane * kX / 4];
+        sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
+        if constexpr (kRows2) {
+          const float4 a2 = xch[w * 32 * 2 + lane * 2 + 1];
+          sum2.x += a2.x, sum2.y += a2.y, sum2.z += a2.z, sum2.w += a2.w;
+        }
+      }
+      s[0][0] = sum.x, s[0][1] = sum.y, s[1][0] = sum.z, s[1][1] = sum.w;
+      if constexpr (kRows2) s[0][2] = sum2.x, s[0][3] = sum2.y, s[1][2] = sum2.z, s[1][3] = sum2.w;
+    }
 
     // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2.
     // The soft-cap test is taken once per tile, not per score, so the four scores of a row stay one block.
@@ -534,7 +578,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) x[h][nt][e] = s[nt][2 * h + e] * qs[h];
+        for (int e = 0; e < 2; ++e) x[h][nt][e] = COLS > 1 ? s[nt][2 * h + e] : s[nt][2 * h + e] * qs[h];
     if (softcap) {
 #pragma unroll
       for (int h = 0; h < kRows; ++h)
@@ -656,9 +700,9 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       v[2 * jj + 1] = o[r * C::kEPW / 2 + jj][h][2 + e];
     }
   };
-  constexpr bool kWarpWrites = HD == 128;
-  if constexpr (kWarpWrites) {
-    if (warp_heads) {
+  constexpr bool kWarpWrites = HD == 128 && COLS == 1;
+  if constexpr (kWarpWrites || COLS > 1) {
+    if (warp_heads || COLS > 1) {
       // One kv head per warp at head_dim 128: its partial goes from registers to the workspace (or, with one
       // split, the output), with no block barrier, so a warp that ends early does not wait for the CTA's last. On
       // an H200 (32/8 heads, 8-bit) the split kernel's last stores came 1.1 us sooner after its loop at batch 1 with
@@ -668,7 +712,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
       // 32k tokens and batch 1 with 256k), whose tile loop compiled to the same instructions, for a reason not found;
       // at d256 (8-bit only: the 16-row bf16 instances spilled with it) 16/2 heads took the same time at batch 1 with
       // 128k-256k tokens, 1-1.5% less with 32k and at batch 8 with 128k, and at batch 64 with 4k 94.8-99.7 against
-      // 89.0-97.4 us (three alternated processes each).
+      // 89.0-97.4 us (three alternated processes each). Column warps write their columns of the partial the same
+      // way, the (m, l) pairs, equal in all of them, from the first.
       const int64_t head0 = static_cast<int64_t>(b) * p.num_q_heads + kvh * G;
       const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
 #pragma unroll
@@ -677,7 +722,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
         lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
         lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
         const int g = gid + 8 * h;  // the head of this thread's softmax row
-        if (p.num_splits > 1 && tig == 0 && g < G) {
+        if (p.num_splits > 1 && tig == 0 && g < G && col0 == 0) {
           const int64_t row = (head0 + g) * p.num_splits + split;
           ws.ml[row * 2] = m[h];
           ws.ml[row * 2 + 1] = lsum;
@@ -691,13 +736,13 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX>::kWarps * 32,
           for (int r = 0; r < C::kRW; ++r) {
             float v[C::kEPW];
             value_columns(r, h, e, v);
-            const int d0 = (gid + 8 * r) * C::kEPW;
+            const int d0 = col0 + (gid + 8 * r) * C::kEPW;
             if (p.num_splits == 1) {
               T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (kvh * G + head) * p.o_stride_head + d0;
 #pragma unroll
               for (int j = 0; j < C::kEPW; ++j) out[j] = from_float<T>(detail::normalized(v[j], lh));
             } else {
-              float* dst = ws.acc + ((head0 + head) * p.num_splits + split) * HD + d0;
+              float* dst = ws.acc + ((head0 + head) * p.num_splits + split) * kHead + d0;
 #pragma unroll
               for (int j = 0; j < C::kEPW; j += 4)
                 *reinterpret_cast<float4*>(dst + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
@@ -820,6 +865,16 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
       } else {
         return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
           return KVQ_DISPATCH_TC_GROUP(group, GMAX, {
+            if (HD == 256 && p.column_warps == 4) {
+              {
+                using C = decode_tc::Cfg<S, 64, GMAX, 4>;
+                constexpr auto kernel = decode_tc::split_kernel<S, T, 64, GMAX, 4>;
+                const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
+                if (e != cudaSuccess) return e;
+                return f(kernel, C::kSmem, C::kWarps);
+              }
+            }
+            if (p.column_warps != 1) return cudaErrorInvalidValue;
             using C = decode_tc::Cfg<S, HD, GMAX>;
             constexpr auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
             const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
@@ -841,17 +896,18 @@ struct TcShape {
   int warps = 4, ctas_per_sm = 1;
 };
 inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
-  // warps | ctas_per_sm << 8, 0 until known; by device, format, dtype, head_dim, group bucket, warps (own, 2-4)
-  static std::atomic<int> cached[64][3][2][3][2][4];
+  // warps | ctas_per_sm << 8, 0 until known; by device, format, dtype, head_dim, group bucket, warps (own, 2-4),
+  // column warps or not
+  static std::atomic<int> cached[64][3][2][3][2][4][2];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return TcShape{};
   const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
   const int g = p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8 ? 1 : 0;
   const int wi = warps >= 2 && warps <= 4 ? warps - 1 : 0;
   const bool cacheable = dev >= 0 && dev < 64;
-  const int f = int(p.format) % 3, t = int(p.dtype) % 2;
+  const int f = int(p.format) % 3, t = int(p.dtype) % 2, cw = p.column_warps > 1 ? 1 : 0;
   if (cacheable) {
-    const int known = cached[dev][f][t][hd][g][wi].load(std::memory_order_relaxed);
+    const int known = cached[dev][f][t][hd][g][wi][cw].load(std::memory_order_relaxed);
     if (known != 0) return TcShape{known & 0xff, known >> 8};
   }
   TcShape shape;
@@ -861,7 +917,7 @@ inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
                                                          decode_tc_smem(smem, own, shape.warps));
   });
   if (e != cudaSuccess || shape.ctas_per_sm <= 0) shape.ctas_per_sm = 1;
-  if (cacheable) cached[dev][f][t][hd][g][wi].store(shape.warps | shape.ctas_per_sm << 8, std::memory_order_relaxed);
+  if (cacheable) cached[dev][f][t][hd][g][wi][cw].store(shape.warps | shape.ctas_per_sm << 8, std::memory_order_relaxed);
   return shape;
 }
 
@@ -883,7 +939,8 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
   if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
   return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
     const int hpc = p.heads_per_cta;
-    if (hpc < 1 || hpc > warps || p.num_kv_heads % hpc != 0) return cudaErrorInvalidValue;
+    if (hpc < 1 || hpc > warps || p.num_kv_heads % hpc != 0 || (hpc > 1 && p.column_warps > 1))
+      return cudaErrorInvalidValue;
     // One kv head per warp: a CTA of hpc warps, and the shared memory of as many.
     const int cta_warps = hpc > 1 ? hpc : warps;
     const DependentLaunch split(dim3(p.num_splits, p.num_kv_heads / hpc, p.batch), dim3(cta_warps * 32), stream,
