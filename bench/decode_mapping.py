@@ -1,8 +1,9 @@
-"""The CUDA decode's kv-head mapping: the rule ("auto") against one kv head per CTA ("cta") and one per warp
-("warp") pinned, for 8-bit caches over head layouts, batches and lengths (the sweep behind the mapping rule in
-csrc/torch/decode.cu).
+"""The CUDA decode's kv-head mapping: the rule ("auto") against one kv head per CTA ("cta"), one per warp
+("warp") and, at head_dim 256, one per CTA of column warps ("columns") pinned, over head layouts, batches and
+lengths (the sweeps behind the mapping rules in csrc/torch/decode.cu).
 
-    python bench/decode_mapping.py [--out results.json] [--fmt q8_0,fp8_e4m3] [--rounds 3]
+    python bench/decode_mapping.py [--out results.json] [--fmt q8_0,fp8_e4m3,bf16] [--head-dims 64,128,256]
+                                   [--rounds 3]
 
 Method as in kvq.benchmark: each shape is replicated until the working set is at least 4x L2, the calls over all
 replicas are captured in one CUDA graph, and a replay's time / replicas is one sample (median). The three
@@ -23,9 +24,10 @@ from kvq.backends import pinned_cuda_kernel
 
 # (query heads, kv heads, head_dim) x (batch, tokens per sequence)
 LAYOUTS = [(32, 8, 128), (40, 8, 128), (64, 8, 128), (16, 8, 128), (32, 32, 128), (28, 4, 128), (32, 4, 128),
-           (32, 8, 64), (9, 3, 64), (16, 2, 256), (8, 4, 256)]
-SIZES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 65536), (2, 32768), (4, 16384), (8, 8192), (64, 4096)]
-MAPPINGS = ("auto", "cta", "warp")
+           (32, 8, 64), (9, 3, 64), (16, 2, 256), (8, 4, 256), (32, 2, 256)]
+SIZES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 65536), (2, 32768), (4, 16384), (8, 1024), (8, 8192),
+         (64, 4096)]
+MAPPINGS = ("auto", "cta", "warp")  # and "columns" at head_dim 256
 PAGE = 16
 
 
@@ -39,7 +41,7 @@ def time_shape(fmt: str, batch: int, tokens: int, hq: int, hkv: int, d: int, rou
                                                         1 / math.sqrt(d), -1, 0.0, out) for t in pool.tables]
     best = {}
     for _ in range(rounds):
-        for m in MAPPINGS:
+        for m in MAPPINGS + (("columns",) if d == 256 else ()):
             with pinned_cuda_kernel("set_decode_heads", m):
                 best[m] = min(best.get(m, math.inf), kb.time_calls(calls).us)
     return best
@@ -48,7 +50,8 @@ def time_shape(fmt: str, batch: int, tokens: int, hq: int, hkv: int, d: int, rou
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the times (µs) as JSON here")
-    ap.add_argument("--fmt", default="q8_0", help="comma list of q8_0, fp8_e4m3")
+    ap.add_argument("--fmt", default="q8_0", help="comma list of q8_0, fp8_e4m3, bf16")
+    ap.add_argument("--head-dims", default="64,128,256", help="comma list: the layouts of these head_dims only")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if kvq.backends.selection().active != "cuda":
@@ -56,13 +59,13 @@ def main() -> None:
     l2 = kb._l2_bytes()
     res = {}
     for fmt in args.fmt.split(","):
-        for hq, hkv, d in LAYOUTS:
+        for hq, hkv, d in [lay for lay in LAYOUTS if str(lay[2]) in args.head_dims.split(",")]:
             for batch, tokens in SIZES:
                 best = time_shape(fmt, batch, tokens, hq, hkv, d, args.rounds, l2)
                 key = f"{fmt} B{batch} {tokens} {hq}/{hkv} d{d}"
                 res[key] = best
                 print(f"{key:30s}", " ".join(f"{m}={v:8.2f}" for m, v in best.items()),
-                      f"warp/cta={best['warp'] / best['cta']:.3f}", flush=True)
+                      f"auto/best={best['auto'] / min(best.values()):.3f}", flush=True)
                 torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
