@@ -84,6 +84,13 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     return kvq::decode_tc_num_splits(p.batch, kv_heads, max_tokens, kvq::TcShape{warps, ctas_per_sm}, sms);
   };
   auto tiles_per_warp = [&](int splits, int warps) { return max_tokens / (int64_t{splits} * kTile * warps); };
+  p.heads_per_cta = 1;
+  if (p.column_warps > 1) {
+    // The CTA's warps walk each tile together: the token math of one warp. Splits for two CTAs per SM: inside the
+    // bounds of column_warps_pay, one per SM took 0.93-1.25x that time and three per SM 0.97-1.14x (H200, same runs).
+    p.num_splits = splits_for(p.num_kv_heads, 1, std::min(shape.ctas_per_sm, 2));
+    return;
+  }
   int c = std::min(shape.ctas_per_sm, 2);
   if (pairs > int64_t{sms} * c) c = shape.ctas_per_sm;
   int splits = splits_for(p.num_kv_heads, w, c);
@@ -95,13 +102,6 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
       splits_for(p.num_kv_heads, w, shape.ctas_per_sm) > 1)
     splits = 2;
   p.num_splits = splits;
-  p.heads_per_cta = 1;
-  if (p.column_warps > 1) {
-    // The CTA's warps walk each tile together: the token math of one warp. Splits for two CTAs per SM: inside the
-    // bounds of column_warps_pay, one per SM took 0.93-1.25x that time and three per SM 0.97-1.14x (H200, same runs).
-    p.num_splits = splits_for(p.num_kv_heads, 1, std::min(shape.ctas_per_sm, 2));
-    return;
-  }
   if (heads_choice == 1 || w < 2) return;
   // kv heads per CTA for one per warp: the warps, or where they do not divide the kv heads the largest divisor of
   // the kv heads below them, in a CTA of that many warps.

@@ -540,36 +540,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
       s[0][0] = acc[0], s[0][1] = acc[1], s[1][0] = acc[2], s[1][1] = acc[3];
       s[0][2] = s[0][3] = s[1][2] = s[1][3] = 0.0f;  // no rows 8..15
     }
-    if constexpr (COLS > 1) {
-      // The scores over all columns: every warp adds the COLS partials in the same order, so all of them hold
-      // the same scores, softmax state and P. Two buffers by tile parity: a warp writes this one again only
-      // after the next tile's barrier, which every warp reaches after its reads here. Each partial carries its
-      // own query scale (8-bit caches: each warp scales its columns of the query by its own power of two).
-#pragma unroll
-      for (int h = 0; h < kRows; ++h)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) s[nt][2 * h + e] *= qs[h];
-      constexpr int kX = kRows2 ? 8 : 4;
-      float4* xch = reinterpret_cast<float4*>(smem + C::kXchOff) + (c & 1) * (COLS * 32 * kX / 4);
-      xch[warp * 32 * kX / 4 + lane * kX / 4] = make_float4(s[0][0], s[0][1], s[1][0], s[1][1]);
-      if constexpr (kRows2) xch[warp * 32 * 2 + lane * 2 + 1] = make_float4(s[0][2], s[0][3], s[1][2], s[1][3]);
-      __syncthreads();
-      float4 sum = xch[lane * kX / 4], sum2 = kRows2 ? xch[lane * 2 + 1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int w = 1; w < COLS; ++w) {
-        const float4 a = xch[w * 32 * kX / 4 + lane * kX / 4];
-        sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
-        if constexpr (kRows2) {
-          const float4 a2 = xch[w * 32 * 2 + lane * 2 + 1];
-          sum2.x += a2.x, sum2.y += a2.y, sum2.z += a2.z, sum2.w += a2.w;
-        }
-      }
-      s[0][0] = sum.x, s[0][1] = sum.y, s[1][0] = sum.z, s[1][1] = sum.w;
-      if constexpr (kRows2) s[0][2] = sum2.x, s[0][3] = sum2.y, s[1][2] = sum2.z, s[1][3] = sum2.w;
-    }
-
     // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2.
     // The soft-cap test is taken once per tile, not per score, so the four scores of a row stay one block.
     float x[kRows][2][2];
@@ -578,7 +548,28 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) x[h][nt][e] = COLS > 1 ? s[nt][2 * h + e] : s[nt][2 * h + e] * qs[h];
+        for (int e = 0; e < 2; ++e) x[h][nt][e] = s[nt][2 * h + e] * qs[h];
+    if constexpr (COLS > 1) {
+      // The scores over all columns: every warp adds the COLS partials (each with its own query scale: for 8-bit
+      // caches each warp scales its columns of the query by its own power of two) in the same order, so all of
+      // them hold the same scores, softmax state and P. Two buffers by tile parity: a warp writes this one again
+      // only after the next tile's barrier, which every warp reaches after its reads here.
+      float4* xch = reinterpret_cast<float4*>(smem + C::kXchOff) + (c & 1) * (COLS * 32 * kRows);
+#pragma unroll
+      for (int h = 0; h < kRows; ++h)
+        xch[(warp * 32 + lane) * kRows + h] = make_float4(x[h][0][0], x[h][0][1], x[h][1][0], x[h][1][1]);
+      __syncthreads();
+#pragma unroll
+      for (int h = 0; h < kRows; ++h) {
+        float4 sum = xch[lane * kRows + h];
+#pragma unroll
+        for (int w = 1; w < COLS; ++w) {
+          const float4 a = xch[(w * 32 + lane) * kRows + h];
+          sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
+        }
+        x[h][0][0] = sum.x, x[h][0][1] = sum.y, x[h][1][0] = sum.z, x[h][1][1] = sum.w;
+      }
+    }
     if (softcap) {
 #pragma unroll
       for (int h = 0; h < kRows; ++h)
@@ -839,6 +830,16 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
   combine(std::integral_constant<int, C::kWarps>{});
 }
 
+// Calls f(kernel, smem_bytes, warps) with one instance of the split kernel, its shared-memory opt-in done.
+template <typename S, typename T, int HD, int GMAX, int COLS, typename F>
+cudaError_t with_split_kernel(F&& f) {
+  using C = Cfg<S, HD, GMAX, COLS>;
+  constexpr auto kernel = split_kernel<S, T, HD, GMAX, COLS>;
+  const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
+  if (e != cudaSuccess) return e;
+  return f(kernel, C::kSmem, C::kWarps);
+}
+
 }  // namespace decode_tc
 
 // GQA group bucket of the tensor-core kernel: up to 8 or up to 16 query heads per kv head.
@@ -865,21 +866,10 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
       } else {
         return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
           return KVQ_DISPATCH_TC_GROUP(group, GMAX, {
-            if (HD == 256 && p.column_warps == 4) {
-              {
-                using C = decode_tc::Cfg<S, 64, GMAX, 4>;
-                constexpr auto kernel = decode_tc::split_kernel<S, T, 64, GMAX, 4>;
-                const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
-                if (e != cudaSuccess) return e;
-                return f(kernel, C::kSmem, C::kWarps);
-              }
-            }
+            if (HD == 256 && p.column_warps == 4)  // column warps: 64 columns each
+              return decode_tc::with_split_kernel<S, T, 64, GMAX, 4>(f);
             if (p.column_warps != 1) return cudaErrorInvalidValue;
-            using C = decode_tc::Cfg<S, HD, GMAX>;
-            constexpr auto kernel = decode_tc::split_kernel<S, T, HD, GMAX>;
-            const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
-            if (e != cudaSuccess) return e;
-            return f(kernel, C::kSmem, C::kWarps);
+            return decode_tc::with_split_kernel<S, T, HD, GMAX, 1>(f);
           });
         });
       }
