@@ -162,9 +162,10 @@ def pinned_cuda_kernel(setter: str, choice: str):
     of the tensor-core decode per CTA or per warp, or at head_dim 256 per CTA of warps dividing the columns),
     ``"set_decode_pdl"`` ("auto", "merge", "off": the decode split kernel and merge, the merge alone, or neither,
     launched as programmatic dependents where the device can), ``"set_extend_shape"`` ("auto", "wide", "deep",
-    "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged after)
-    or ``"set_extend_pdl"`` ("auto", "merge", "off", as for decode). For tests and benchmarks, which must reach
-    every kernel whatever shape the rules would pick by."""
+    "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged after),
+    ``"set_extend_pdl"`` ("auto", "merge", "off", as for decode) or ``"set_store_pdl"`` ("auto", "off": the store
+    launched as a programmatic dependent of the kernel before it where the device can, or not). For tests and
+    benchmarks, which must reach every kernel whatever shape the rules would pick by."""
     from kvq import _C
 
     prev = getattr(_C, setter)(choice)

@@ -64,7 +64,8 @@ def test_every_op_has_a_compiled_cuda_kernel(ext):
                                            ("set_decode_pdl", ("auto", "off", "merge")),
                                            ("set_extend_shape", ("auto", "wide", "deep", "tall", "small")),
                                            ("set_extend_splits", ("auto", "1", "2", "3", "4")),
-                                           ("set_extend_pdl", ("auto", "off", "merge"))])
+                                           ("set_extend_pdl", ("auto", "off", "merge")),
+                                           ("set_store_pdl", ("auto", "off"))])
 def test_kernel_choices_round_trip_and_refuse_unknown_names(ext, setter, names):
     """The knobs the tests and benchmarks use to pin a CUDA kernel: each returns the previous choice, and an
     unknown name is refused with the valid ones in the message (the choice is left unchanged)."""

@@ -240,3 +240,44 @@ def test_store_ties_and_non_finite(backend, fmt, model_dtype, device, tiny):
 def test_store_large_gpu(backend, fmt, model_dtype, d):
     fmt = {"plain": "bf16" if model_dtype == torch.bfloat16 else "fp16"}.get(fmt, fmt)
     check_store(backend, 65536 + 17, 16, 8 if d < 256 else 2, d, model_dtype, fmt, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "bf16"])
+def test_cuda_store_waits_for_the_kernel_before_it(fmt):
+    """Where the GPU can (compute capability 9.0 and newer) the CUDA store is launched as a programmatic dependent
+    of the kernel before it, so its CTAs are scheduled while that kernel's last ones run. It must still read its
+    keys and values only once that kernel has written them: a CUDA graph of eight rounds, each copying new rows into
+    the same key and value buffers and storing them to its own slots, writes every round's rows, with the bytes of
+    plain stream order and of the reference, over several replays."""
+    from kvq.backends import pinned_cuda_kernel
+
+    ops = backend_ops("cuda")
+    dt = cache_dtype(fmt, torch.bfloat16)
+    rounds, n, hkv, d, page_size, num_pages = 8, 4096, 8, 128, 16, 2100
+    keys = [(torch.randn(n, hkv, d, device="cuda") * 4).to(torch.bfloat16) for _ in range(rounds)]
+    values = [torch.randn(n, hkv, d, device="cuda").to(torch.bfloat16) for _ in range(rounds)]
+    slots = torch.randperm(num_pages * page_size, device="cuda")[: rounds * n].view(rounds, n)
+    key, value = torch.empty_like(keys[0]), torch.empty_like(values[0])
+
+    (kc, ks), (vc, vs) = (_poisoned(num_pages, page_size, hkv, d, dt, "cuda") for _ in range(2))
+    want = (kc, vc, ks, vs)
+    for i in range(rounds):
+        reference.store_kv(keys[i], values[i], *want, slots[i])
+    for mode in ("off", "auto"):
+        with pinned_cuda_kernel("set_store_pdl", mode):
+            kc, ks = _poisoned(num_pages, page_size, hkv, d, dt, "cuda")
+            vc, vs = _poisoned(num_pages, page_size, hkv, d, dt, "cuda")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(rounds):
+                    key.copy_(keys[i])
+                    value.copy_(values[i])
+                    ops.store_kv(key, value, kc, vc, ks, vs, slots[i])
+            for _ in range(3):
+                for t in (kc, vc, ks, vs):
+                    if t is not None:
+                        poison_(t.view(torch.uint8) if t.element_size() == 1 else t)
+                graph.replay()
+                torch.cuda.synchronize()
+                _assert_same_bytes((kc, vc, ks, vs), want)

@@ -58,6 +58,9 @@ int kvq_set_extend_splits(int choice);
 // merge of split keys as one of the kernel, where the device can (compute capability 9.0 and newer); 1 = plain
 // stream order; 2 = the merge only. Returns the previous choice; for benchmarks and tests.
 int kvq_set_extend_pdl(int choice);
+// How store_kv is launched: 0 = as a programmatic dependent of the kernel before it where the device can (compute
+// capability 9.0 and newer), 1 = plain stream order. Returns the previous choice; for benchmarks and tests.
+int kvq_set_store_pdl(int choice);
 
 // The architectures this extension was compiled for, e.g. "8.9;9.0;12.0".
 const char* kvq_cuda_archs();

@@ -48,6 +48,11 @@ static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
   return choose(arg, kPdlNames, kvq_set_decode_pdl, "decode programmatic launch");
 }
 
+static PyObject* set_store_pdl(PyObject*, PyObject* arg) {
+  static const char* const names[] = {"auto", "off"};
+  return choose(arg, names, kvq_set_store_pdl, "store programmatic launch");
+}
+
 #ifdef KVQ_HAS_EXTEND
 static PyObject* set_extend_shape(PyObject*, PyObject* arg) {
   static const char* const names[] = {"auto", "wide", "deep", "tall", "small"};
@@ -76,6 +81,9 @@ static PyMethodDef kMethods[] = {
      "Programmatic dependent launches of the decode kernels (on devices of compute capability 9.0 and newer): "
      "'auto' (the split kernel after the kernel before it, the merge after the split), 'merge' (the merge only) "
      "or 'off'; returns the previous."},
+    {"set_store_pdl", set_store_pdl, METH_O,
+     "Programmatic dependent launch of store_kv (on devices of compute capability 9.0 and newer): 'auto' (after the "
+     "kernel before it) or 'off'; returns the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
      "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' or "

@@ -2,10 +2,20 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
+
 #include "kvq/store.cuh"
 #include "ops.h"
 
 using namespace kvq_torch;
+
+namespace {
+// The store as a programmatic dependent of the kernel before it (compute capability 9.0 and newer), which it waits
+// for before its first global access: its CTAs are scheduled as that kernel's last ones exit, not after it completes.
+std::atomic<int> g_store_pdl{0};  // 0: where the device can, 1: never
+}  // namespace
+
+int kvq_set_store_pdl(int choice) { return g_store_pdl.exchange(choice); }
 
 void store_kv_cuda(const at::Tensor& key,           // [num_tokens, num_kv_heads, head_dim] bf16/fp16
                    const at::Tensor& value,         // [num_tokens, num_kv_heads, head_dim] like key
@@ -66,6 +76,7 @@ void store_kv_cuda(const at::Tensor& key,           // [num_tokens, num_kv_heads
   p.head_dim = static_cast<int>(c.head_dim);
   p.format = to_format(k_cache.scalar_type());
   p.dtype = to_dtype(key.scalar_type());
+  p.dependent = dependent_launches(g_store_pdl.load(), dev.index()).first;
   const cudaError_t e = kvq::store_kv(p, c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(e == cudaSuccess, "kvq.store_kv: kernel launch failed: ", cudaGetErrorString(e));
 }

@@ -33,6 +33,7 @@ struct StoreParams {
   int num_pages = 0, page_size = 0, num_kv_heads = 0, head_dim = 0;
   Format format = Format::kSame;
   DType dtype = DType::kBF16;  // of key/value
+  bool dependent = false;      // launched as a programmatic dependent of the kernel before it (common.cuh)
 };
 
 __device__ __forceinline__ int64_t load_slot(const void* p, bool is_int32, int64_t i) {
@@ -84,6 +85,7 @@ struct StoreDivisors {
 // T: key/value dtype; S: storage element (T itself for an unquantized cache).
 template <typename T, typename S>
 __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, const __grid_constant__ StoreDivisors dv) {
+  wait_for_primary();  // the kernel before may still be writing the keys and values, or reading the cache
   const int chunks = p.head_dim / kChunk;  // even, so both lanes of a block share a row and a fate
   const int64_t total = p.num_tokens * p.num_kv_heads * chunks;
   int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -154,8 +156,8 @@ inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
         const int64_t slots = static_cast<int64_t>(p.num_pages) * p.page_size;
         const StoreDivisors dv{FastDivmod(p.head_dim / kChunk), FastDivmod(p.num_kv_heads), FastDivmod(p.page_size),
                                total <= 0x7FFFFFFF && slots <= 0x7FFFFFFF};
-        store_kv_kernel<T, S><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p, dv);
-        return cudaGetLastError();
+        const DependentLaunch launch(dim3(static_cast<unsigned>(blocks)), dim3(kStoreThreads), stream, p.dependent);
+        return launch(store_kv_kernel<T, S>, p, dv);
       }
     });
   });
