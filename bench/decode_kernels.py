@@ -62,26 +62,22 @@ def main(argv=None) -> int:
         for fmt in FORMATS:
             nbytes = kb.kv_bytes(batch * ctx, hkv, d, fmt)
             n = kb.rotation(nbytes, l2, 64)
-            pool = kb.paged_pool(fmt, n, batch, ctx, hkv, d, PAGE)
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, hq, d, device="cuda").to(torch.bfloat16)
-            out = torch.empty_like(q)
+            inputs = kb.decode_inputs(fmt, n, batch, ctx, hq, hkv, d, PAGE)
             ref = None
             line = f"B={batch:<3} ctx={ctx:<6} {hq}/{hkv} d{d} {fmt:<8}"
             for name, fn in fns.items():
-                calls = [lambda t=t: fn(q, pool.k, pool.v, pool.ks, pool.vs, t, lens, d ** -0.5, -1, 0.0, out)
-                         for t in pool.tables]
+                calls = inputs.calls(fn)
                 t = kb.time_calls(calls)
                 calls[0]()
                 if ref is None:
-                    ref = out.clone()
-                diff = (out.float() - ref.float()).abs().max().item()
+                    ref = inputs.out.clone()
+                diff = (inputs.out.float() - ref.float()).abs().max().item()
                 frac = nbytes / (t.us * 1e-6) / bw
                 rows.append(dict(batch=batch, ctx=ctx, hq=hq, hkv=hkv, d=d, fmt=fmt, impl=name, us=t.us,
                                  floor_us=kb.floor_us(nbytes, bw), frac_copy=frac, max_diff_vs_first=diff))
                 line += f" | {name} {t.us:8.1f} us {100 * frac:5.1f}%"
             print(line, flush=True)
-            del pool
+            del inputs
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

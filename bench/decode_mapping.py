@@ -32,13 +32,8 @@ PAGE = 16
 
 
 def time_shape(fmt: str, batch: int, tokens: int, hq: int, hkv: int, d: int, rounds: int, l2: int) -> dict:
-    pool = kb.paged_pool(fmt, kb.rotation(kb.kv_bytes(batch * tokens, hkv, d, fmt), l2, 16), batch, tokens, hkv, d,
-                         PAGE)
-    lens = torch.full((batch,), tokens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    calls = [lambda t=t: torch.ops.kvq.decode_attention(q, pool.k, pool.v, pool.ks, pool.vs, t, lens,
-                                                        1 / math.sqrt(d), -1, 0.0, out) for t in pool.tables]
+    replicas = kb.rotation(kb.kv_bytes(batch * tokens, hkv, d, fmt), l2, 16)
+    calls = kb.decode_inputs(fmt, replicas, batch, tokens, hq, hkv, d, PAGE).calls(torch.ops.kvq.decode_attention)
     best = {}
     for _ in range(rounds):
         for m in MAPPINGS + (("columns",) if d == 256 else ()):

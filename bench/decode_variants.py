@@ -3,12 +3,11 @@
 
     PYTHONPATH=. python bench/decode_variants.py [--out results.json] [--no-extra]
 
-Times are GPU times of CUDA-graph replays: one graph calls the kernel once per cache copy, over copies of
-the cache totalling at least 240 MB (four times an H200's L2), and the time is the median of 25 replays
-divided by the number of copies. The floor is (bytes of K, V and scales read) / (bandwidth of a
-device-to-device ``copy_`` of a 1 GiB buffer, read + write bytes), measured first. Unless ``--no-extra``,
-the scale-after-dot variants are also timed with a few alternative BLOCK_N / split settings at B=1 128k and
-B=8 32k (marked ``*``).
+Method as in kvq.benchmark: each shape is replicated until the working set is at least 4x L2, the calls over
+all replicas are captured in one CUDA graph, and a replay's time / replicas is one sample (median). The floor is
+(bytes of K, V and scales read) / (bandwidth of a device-to-device ``copy_``, read + write bytes), measured first.
+Unless ``--no-extra``, the scale-after-dot variants are also timed with a few alternative BLOCK_N / split settings
+at B=1 128k and B=8 32k (marked ``*``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import time
 import torch
 import triton
 
+from kvq import benchmark as kb
 from kvq.triton_backend import decode as tdec
 
 PAGE = 16
@@ -29,79 +29,9 @@ FORMATS = {"bf16": torch.bfloat16, "q8_0": torch.int8, "fp8_e4m3": torch.float8_
 CASES = [(1, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (1, 131072, 32, 8, 128), (8, 32768, 32, 8, 128),
          (1, 32768, 16, 2, 256), (1, 32768, 9, 3, 64)]
 EXTRA_CASES = {(1, 131072, 32, 8, 128), (8, 32768, 32, 8, 128)}
-ROTATION_BYTES = 240e6
 # kvq.triton_backend.decode._SCALE_AFTER_DOT values: 0 dequantize-then-dot, 1 scales after the dots for keys
 # and values, 2 for keys only.
 MODES = [(0, "dequant"), (1, "sad-kv"), (2, "sad-k")]
-REPLAYS = 25
-
-
-def median_ms(fn, replays=REPLAYS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x), replays=30)
-    return 2 * n / (ms * 1e-3)
-
-
-def kv_bytes(fmt, batch, length, hkv, d) -> int:
-    return int(2 * batch * length * hkv * d * (2.0 if fmt == "bf16" else 1.0 + 2.0 / 32))
-
-
-def make(fmt, batch, length, hq, hkv, d, copies):
-    """One pool holding ``copies`` disjoint sets of pages in random order, and one block table per set."""
-    pages_per = math.ceil(length / PAGE)
-    num_pages = copies * batch * pages_per
-    dt = FORMATS[fmt]
-    shape = (num_pages, PAGE, hkv, d)
-    if dt == torch.bfloat16:
-        kc = torch.randn(shape, device="cuda", dtype=dt)
-        vc = torch.randn(shape, device="cuda", dtype=dt)
-        ks = vs = None
-    else:
-        raw = torch.randint(-127, 128, (2, *shape), device="cuda", dtype=torch.int8)
-        if dt == torch.float8_e4m3fn:
-            raw &= 0x77  # keep clear of the e4m3 NaN code
-        kc, vc = raw[0].view(dt), raw[1].view(dt)
-        ks = torch.rand(num_pages, PAGE, hkv, d // 32, device="cuda").half() * 0.02
-        vs = torch.rand_like(ks) * 0.02
-    perm = torch.randperm(num_pages, device="cuda", dtype=torch.int64).int()
-    tables = perm.view(copies, batch, pages_per)
-    seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    return q, kc, vc, ks, vs, tables, seq_lens
-
-
-def time_graph(data, config) -> float:
-    """Median us per decode call, from CUDA-graph replays rotating over the cache copies."""
-    q, kc, vc, ks, vs, tables, seq_lens = data
-    out = torch.empty_like(q)
-    d = q.shape[-1]
-
-    def call(i):
-        tdec.decode_attention(q, kc, vc, ks, vs, tables[i], seq_lens, d ** -0.5, -1, 0.0, out, config=config)
-
-    call(0)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(tables.shape[0]):
-            call(i)
-    return median_ms(graph.replay) / tables.shape[0] * 1e3
 
 
 def variants(fmt, case, extra):
@@ -136,7 +66,8 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     dev = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
+    bw = kb.copy_bandwidth()["bandwidth"]
+    l2 = kb._l2_bytes()
     print(f"{dev}; triton {triton.__version__}, torch {torch.__version__}; default scale-after-dot "
           f"{tdec._SCALE_AFTER_DOT}")
     print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s", flush=True)
@@ -151,15 +82,14 @@ def main():
                 todo = [(n, c) for n, c, default in variants(fmt, case, extra) if default != extra]
                 if not todo:
                     continue
-                nbytes = kv_bytes(fmt, batch, length, hkv, d)
-                copies = max(2, math.ceil(ROTATION_BYTES / nbytes))
-                data = make(fmt, batch, length, hq, hkv, d, copies)
+                nbytes = kb.kv_bytes(batch * length, hkv, d, fmt)
+                data = kb.decode_inputs(fmt, kb.rotation(nbytes, l2, 64), batch, length, hq, hkv, d, PAGE)
                 floor_us = nbytes / bw * 1e6
                 for name, cfg in todo:
                     if extra and time.time() - t0 > args.budget_s:
                         break
                     try:
-                        us = time_graph(data, cfg)
+                        us = kb.time_calls(data.calls(lambda *a, cfg=cfg: tdec.decode_attention(*a, config=cfg))).us
                     except Exception as e:  # a setting that does not compile or fit is reported, not fatal
                         print(f"  {fmt} {name} cfg={cfg}: failed: {type(e).__name__}: {e}", flush=True)
                         continue

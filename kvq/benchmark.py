@@ -471,6 +471,32 @@ def paged_pool(fmt: str, replicas: int, batch: int, tokens: int, hkv: int, d: in
     return Pool(k, v, ks, vs, tables)
 
 
+@dataclass
+class DecodeInputs:
+    """A decode shape over ``replicas`` copies of its pool: one bf16 query per replica, one output."""
+    pool: Pool
+    queries: list
+    lens: torch.Tensor
+    out: torch.Tensor
+    sm_scale: float
+
+    def calls(self, decode: Callable) -> list:
+        """One call of ``decode`` (the positional signature of ``torch.ops.kvq.decode_attention``) per replica."""
+        p = self.pool
+        return [lambda r=r: decode(self.queries[r], p.k, p.v, p.ks, p.vs, p.tables[r], self.lens, self.sm_scale, -1,
+                                   0.0, self.out) for r in range(len(p.tables))]
+
+
+def decode_inputs(fmt: str, replicas: int, batch: int, ctx: int, hq: int, hkv: int, d: int,
+                  page_size: int) -> DecodeInputs:
+    """``batch`` sequences of ``ctx`` tokens in a ``paged_pool`` of ``replicas`` copies, and their queries."""
+    pool = paged_pool(fmt, replicas, batch, ctx, hkv, d, page_size)
+    queries = [torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(replicas)]
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    return DecodeInputs(pool, queries, lens, out, 1.0 / math.sqrt(d))
+
+
 def _fits(nbytes: int, margin: float = 0.85) -> tuple[bool, str]:
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
@@ -578,7 +604,6 @@ class Bench:
     def decode(self, hq, hkv, d, batch, ctx):
         ps = self.args.page_size
         base = dict(op="decode", hq=hq, hkv=hkv, d=d, batch=batch, ctx=ctx)
-        sm = 1.0 / math.sqrt(d)
         for fmt in FORMATS:
             nbytes = kv_bytes(batch * ctx, hkv, d, fmt)
             n = rotation(nbytes, self.l2, 512)
@@ -588,17 +613,13 @@ class Bench:
                     self._skip(dict(base, impl=impl, fmt=fmt, kind=_kind(impl), backend=_backend(impl)),
                                f"does not fit ({why})")
                 continue
-            pool = paged_pool(fmt, n, batch, ctx, hkv, d, ps)
-            qs = [torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-            out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            inputs = decode_inputs(fmt, n, batch, ctx, hq, hkv, d, ps)
+            pool, qs = inputs.pool, inputs.queries
             for be, ops in self.kvq.items():
                 impl = f"kvq-{be}"
 
                 def run(ops=ops):
-                    calls = [lambda r=r: ops.decode_attention(qs[r], pool.k, pool.v, pool.ks, pool.vs, pool.tables[r],
-                                                              lens, sm, -1, 0.0, out) for r in range(n)]
-                    return self._time(f"{impl} decode {fmt} {hq}/{hkv}/d{d}", calls), {}
+                    return self._time(f"{impl} decode {fmt} {hq}/{hkv}/d{d}", inputs.calls(ops.decode_attention)), {}
                 self._record(self._row(base, impl, fmt, nbytes, n), run)
             if fmt in QUANT and batch * ctx <= self.args.naive_max_tokens and self.kvq:
                 self._naive(base, fmt, pool, n, batch, ctx, hq, hkv, d, ps)
@@ -607,7 +628,7 @@ class Bench:
             elif fmt in ("bf16", "fp8_e4m3"):
                 self.notes.append(f"flashinfer {fmt} d{d}: not run (head_dim not in --flashinfer-dims)"
                                   if self.peers.fi else self.peers.fi_note)
-            pool = qs = None  # free this format's pool before the next one is allocated
+            inputs = pool = qs = None  # free this format's pool before the next one is allocated
             torch.cuda.empty_cache()
             if fmt == "bf16":
                 for name in self.peers.sdpa:
