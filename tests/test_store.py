@@ -4,6 +4,7 @@ Caches start poisoned, so a slot the op must not touch (slot -1, or simply not i
 its poison afterwards; comparing the whole planes with the reference's checks that too.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -243,16 +244,25 @@ def test_store_large_gpu(backend, fmt, model_dtype, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3", "bf16"])
-def test_cuda_store_waits_for_the_kernel_before_it(fmt):
-    """Where the GPU can (compute capability 9.0 and newer) the CUDA store is launched as a programmatic dependent
-    of the kernel before it, so its CTAs are scheduled while that kernel's last ones run. It must still read its
+def test_store_waits_for_the_kernel_before_it(backend, fmt, monkeypatch):
+    """Where the GPU can (compute capability 9.0 and newer) both stores are launched as programmatic dependents of
+    the kernel before them, so that they are scheduled while that kernel's last CTAs run. They must still read their
     keys and values only once that kernel has written them: a CUDA graph of eight rounds, each copying new rows into
     the same key and value buffers and storing them to its own slots, writes every round's rows, with the bytes of
     plain stream order and of the reference, over several replays."""
     from kvq.backends import pinned_cuda_kernel
+    from kvq.triton_backend import store as triton_store
 
-    ops = backend_ops("cuda")
+    ops = backend_ops(backend)
+
+    def launches(mode):
+        if backend == "cuda":
+            return pinned_cuda_kernel("set_store_pdl", mode)
+        monkeypatch.setattr(triton_store, "_PDL", mode == "auto")
+        return contextlib.nullcontext()
+
     dt = cache_dtype(fmt, torch.bfloat16)
     rounds, n, hkv, d, page_size, num_pages = 8, 4096, 8, 128, 16, 2100
     keys = [(torch.randn(n, hkv, d, device="cuda") * 4).to(torch.bfloat16) for _ in range(rounds)]
@@ -265,9 +275,10 @@ def test_cuda_store_waits_for_the_kernel_before_it(fmt):
     for i in range(rounds):
         reference.store_kv(keys[i], values[i], *want, slots[i])
     for mode in ("off", "auto"):
-        with pinned_cuda_kernel("set_store_pdl", mode):
+        with launches(mode):
             kc, ks = _poisoned(num_pages, page_size, hkv, d, dt, "cuda")
             vc, vs = _poisoned(num_pages, page_size, hkv, d, dt, "cuda")
+            ops.store_kv(key, value, kc, vc, ks, vs, slots[0])  # compiles (Triton) outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for i in range(rounds):

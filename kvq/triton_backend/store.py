@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, dequant, has_e4m3_cvt, upcast
+from ._common import (FMT_PLAIN, INTERPRET, as_kernel_arg, cache_format, cast, dequant, has_e4m3_cvt, has_pdl,
+                      upcast)
+
+# Launch the store as a programmatic dependent of the kernel before it where the GPU can (compute capability 9.0
+# and newer): it waits for that kernel before any global access, and is scheduled as its last programs exit. On an
+# H200, calls back to back in a CUDA graph: 2.7-7.4% less time with 4096 tokens (8x d128, 2x d256, 3x d64 kv heads),
+# 1.3-1.5% at 3x d64 with 65536, within 0.2% at the other sizes. The tests turn it off to compare.
+_PDL = True
 
 # Four fp32 y (|y| < 127.5, a normal block's) to four q8_0 bytes, round half away from zero, ANDed with $5 (-1
 # keeps them, 0 zeroes a non-finite block; the four elements are of one block, so $6-$8 are the same flag).
@@ -166,7 +173,10 @@ def _blocks(slot_ptr, num_tokens, num_slots, PAGE_SIZE: tl.constexpr, NBT: tl.co
 def _store_kernel(k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
                   kc_ptr, vc_ptr, skc_page, svc_page, ks_ptr, vs_ptr, slot_ptr, num_tokens, num_slots,
                   PAGE_SIZE: tl.constexpr, NBT: tl.constexpr, NB: tl.constexpr, BLOCKS: tl.constexpr,
-                  WIDE: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
+                  WIDE: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr,
+                  PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # launched as a dependent of the kernel before: wait before any global access
     tok, hb, slot, page, off, mask = _blocks(slot_ptr, num_tokens, num_slots, PAGE_SIZE, NBT, BLOCKS, WIDE)
     el = tl.arange(0, 32)[None, :]
     # The value planes may be views with any page stride; the scale planes are dense (checked), so a scale's
@@ -217,11 +227,13 @@ def store_kv(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> No
     # Scales are written as int16 bits so a non-finite block gets exactly the canonical NaN.
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale.view(torch.int16), v_scale.view(torch.int16))
     grid, wide = _launch(t, hkv * nb)
+    pdl = _PDL and not INTERPRET and has_pdl(key.device)
     _store_kernel[grid](key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                         kc, vc, k_cache.stride(0), v_cache.stride(0), ks, vs, slot_mapping.contiguous(), t,
                         k_cache.shape[0] * page_size,
                         PAGE_SIZE=page_size, NBT=hkv * nb, NB=nb, BLOCKS=_BLOCKS, WIDE=wide, FMT=fmt,
-                        INTERP=INTERPRET, E4M3_CVT=has_e4m3_cvt(key.device), num_warps=_WARPS,
+                        INTERP=INTERPRET, E4M3_CVT=has_e4m3_cvt(key.device), PDL=pdl, num_warps=_WARPS,
+                        launch_pdl=pdl,
                         # no mul+sub -> fma contraction: q8_0 rounding reads the fractional part of the rounded y
                         enable_fp_fusion=False)
 
