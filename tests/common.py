@@ -131,8 +131,8 @@ def backend_ops(name: str):
     ``cuda-warp`` with the tensor-core decode kernel mapping one kv head per warp (the rule does so only for
     8-bit caches whose splits are long enough; where the kv heads do not divide into its warps, in CTAs of fewer
     warps: three at 9/3 heads, two at 16/2; a prime number of kv heads above four keeps one per CTA);
-    ``cuda-columns`` with the warps of a CTA dividing head_dim, where that mode exists (unquantized caches at
-    head_dim 256; elsewhere the rule);
+    ``cuda-columns`` with the warps of a CTA dividing head_dim, where that mode exists (head_dim 256, every cache
+    format; elsewhere the rule);
     ``cuda-wide`` / ``cuda-deep`` / ``cuda-tall`` / ``cuda-small`` with the extend kernel held to one CTA shape (the
     rule picks by estimated time, so small test shapes would otherwise only reach one); ``cuda-split`` with the keys
     of each extend row block split over three CTAs and merged (the rule splits only long prefixes).

@@ -20,7 +20,7 @@ from common import (FORMATS, TRITON_DEVICE, assert_close_to_truth, attend, backe
 
 BACKENDS = ["triton", "cuda"]
 # The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps
-# (or, unquantized at head_dim 256, a kv head to a CTA whose warps divide head_dim).
+# (or, at head_dim 256, a kv head to a CTA whose warps divide head_dim).
 DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp", "cuda-columns"]
 # extend CTA shapes, key splits
 EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall", "cuda-small", "cuda-split"]

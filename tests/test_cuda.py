@@ -28,7 +28,7 @@ def ops():
 def decode_ops(request):
     """The CUDA ops with either decode kernel (tensor cores, FMA), and the tensor-core kernel with one kv head
     per warp (CTAs of fewer warps where the kv heads do not divide into its warps: two at 2 kv heads) or with
-    the warps of a CTA dividing head_dim (unquantized caches at head_dim 256)."""
+    the warps of a CTA dividing head_dim (at head_dim 256, every cache format)."""
     return backend_ops(request.param)
 
 

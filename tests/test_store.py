@@ -23,11 +23,16 @@ def _bits(t):
     return None if t is None else t.view(torch.uint8 if t.element_size() == 1 else torch.int16)
 
 
-def _poisoned(num_pages, page_size, hkv, d, dt, device):
-    c, s = new_cache(num_pages, page_size, hkv, d, dt, device)
-    for t in (c, s):
+def _poison_planes(*planes):
+    """Poison value and scale planes (bytewise for 8-bit ones); None (an unquantized cache's scales) is skipped."""
+    for t in planes:
         if t is not None:
             poison_(t.view(torch.uint8) if t.element_size() == 1 else t)
+
+
+def _poisoned(num_pages, page_size, hkv, d, dt, device):
+    c, s = new_cache(num_pages, page_size, hkv, d, dt, device)
+    _poison_planes(c, s)
     return c, s
 
 
@@ -286,9 +291,7 @@ def test_store_waits_for_the_kernel_before_it(backend, fmt, monkeypatch):
                     value.copy_(values[i])
                     ops.store_kv(key, value, kc, vc, ks, vs, slots[i])
             for _ in range(3):
-                for t in (kc, vc, ks, vs):
-                    if t is not None:
-                        poison_(t.view(torch.uint8) if t.element_size() == 1 else t)
+                _poison_planes(kc, vc, ks, vs)
                 graph.replay()
                 torch.cuda.synchronize()
                 _assert_same_bytes((kc, vc, ks, vs), want)
