@@ -213,7 +213,7 @@ def test_decode_large_batch_gpu(backend, fmt, batch, heads):
 
 
 def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal=True, window_left=-1,
-                 softcap=0.0, strided=False, device=None, q_exp=0):
+                 softcap=0.0, strided=False, device=None, q_exp=0, **triton_kw):
     device = _device(backend, device)
     ops = backend_ops(backend)
     p = random_paged(prefix, page_size, hkv, d, cache_dtype(fmt, dtype), dtype, device=device)
@@ -228,7 +228,7 @@ def check_extend(backend, fmt, dtype, hq, hkv, d, page_size, prefix, new, causal
     sm_scale = d ** -0.5 * 2.0 ** -q_exp
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     ops.extend_attention(q, key, value, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
-                         cu_t, sm_scale, causal, window_left, softcap, out)
+                         cu_t, sm_scale, causal, window_left, softcap, out, **triton_kw)
     truth, base = extend_truth(q, key, value, p, prefix, cu, sm_scale, causal, window_left, softcap)
     assert_close_to_truth(out, truth, base, f"extend {fmt} {dtype} prefix={prefix[:6]} new={new[:6]}")
 
@@ -241,6 +241,9 @@ EXTEND_SMALL = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_le
     ("fp16", torch.float16, 2, 1, 64, 16, [0, 0], [33, 16], True, 3, 0.0, True),  # prefill
     ("q8_0", torch.float16, 16, 1, 128, 256, [31, 0], [2, 32], False, 7, 0.0, False),
     ("fp8_e4m3", torch.bfloat16, 8, 1, 64, 16, [32], [31], True, -1, 20.0, False),
+    # GQA ratios with an odd factor: 3 (one query head per Triton program) and 24 (eight per program)
+    ("q8_0", torch.bfloat16, 9, 3, 64, 16, [40, 0, 7], [23, 50, 1], True, -1, 0.0, False),
+    ("fp8_e4m3", torch.float16, 24, 1, 64, 8, [19], [21], True, 9, 0.0, True),
 ]
 
 
@@ -248,6 +251,15 @@ EXTEND_SMALL = [  # (format, dtype, Hq, Hkv, head_dim, page, prefix_lens, new_le
 @pytest.mark.parametrize("case", EXTEND_SMALL, ids=_ids)
 def test_extend(backend, case):
     check_extend(backend, *case, device=device_of(backend))
+
+
+@runs_triton
+@pytest.mark.parametrize("gp", [1, 2, 8])
+def test_triton_extend_heads_per_program(gp):
+    """The rows of a Triton extend program hold ``gp`` query heads of one kv head times their tokens; every
+    packing the rule may pick gives the same attention."""
+    check_extend("triton", "q8_0", torch.bfloat16, 16, 2, 64, 16, [30, 0], [21, 40], True, 12,
+                 heads_per_program=gp, device=TRITON_DEVICE)
 
 
 EXTEND_GPU = [(fmt, d, i % 3 != 2, *_COMBOS[i % len(_COMBOS)])  # (format, head_dim, causal, combo)
@@ -263,6 +275,17 @@ def test_extend_gpu(backend, case):
     hkv = 2
     check_extend(backend, fmt, dt, g * hkv, hkv, d, page, [0, 1000, 4096, 37, 0], [512, 1, 300, 64, 2000],
                  causal, window, cap, strided=g == 4, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", EXTEND_BACKENDS)
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+@pytest.mark.parametrize("heads", [(12, 4, 128), (48, 2, 64), (6, 2, 256)], ids=["12-4-d128", "48-2-d64", "6-2-d256"])
+def test_extend_uneven_gqa_gpu(backend, fmt, heads):
+    """GQA ratios with an odd factor (3, 24), of which a Triton program packs the power of two into its rows."""
+    hq, hkv, d = heads
+    check_extend(backend, fmt, torch.bfloat16, hq, hkv, d, 16, [0, 700, 3000], [300, 77, 129], True, -1, 0.0,
+                 device="cuda")
 
 
 @pytest.mark.parametrize("backend", backend_params(BACKENDS))
