@@ -13,7 +13,7 @@ import torch
 import kvq
 from kvq import reference
 
-from common import backend_ops, poison_, random_paged, rel_err
+from common import assert_close_to_truth, backend_ops, decode_truth, poison_, random_paged, rel_err
 
 pytestmark = pytest.mark.gpu
 QUANT = {"q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -247,7 +247,10 @@ def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group)
     """bf16 values far above fp16's range, with finite scales: the tensor-core kernel dequantizes values to fp16
     only in tiles whose value scales keep every product below 65504, and to bf16 in the others. Some tokens of kv
     head 1 hold such values (scales of 2^9 and more for q8_0, 2^7 for e4m3) among ordinary ones in their tiles;
-    kv head 0 holds none. Both heads' outputs must match the reference as closely as at unit scale."""
+    kv head 0 holds none. Head 0's outputs must match the reference as closely as at unit scale; head 1's, whose
+    tiles with large values run P V on bf16 operands, as closely as an attention with bf16 values and
+    probabilities (the bound of every decode test: by the CPU reference, such an attention is 1.4-3.6 times the
+    output's own rounding error from the reference here, so the bound of head 0 does not hold for it)."""
     hkv, lens = 2, [300, 1000]
     p = random_paged(lens, 16, hkv, d, QUANT[fmt], device="cuda")
     slots = torch.stack([p.block_table[b, t // 16].long() * 16 + t % 16
@@ -263,10 +266,11 @@ def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group)
     # The large values reach kv head 1's outputs: weighted by probabilities of about 1/300-1/1000, they put its
     # largest output in the hundreds (unit-scale values give about 1; 1e3, the bound before, failed on some draws).
     assert ref[:, group:].abs().max() > 1e2
-    for heads in (slice(0, group), slice(group, 2 * group)):
-        o, r = out[:, heads], ref[:, heads]
-        assert torch.isfinite(o).all()
-        assert rel_err(o, r) <= 2 * rel_err(r.to(o.dtype), r) + 1e-5, (heads, rel_err(o, r))
+    assert torch.isfinite(out).all()
+    o, r = out[:, :group], ref[:, :group]
+    assert rel_err(o, r) <= 2 * rel_err(r.to(o.dtype), r) + 1e-5, rel_err(o, r)
+    truth, base = decode_truth(q, p, d ** -0.5, -1, 0.0)
+    assert_close_to_truth(out[:, group:], truth[:, group:], base[:, group:], f"kv head 1 {fmt} d{d}")
 
 
 @pytest.mark.parametrize("sm_scale,softcap", [(math.inf, 0.0), (math.nan, 0.0), (0.1, math.inf)])
