@@ -125,9 +125,9 @@ def _extend_kernel(q_ptr, sq_t, sq_h, k_ptr, sk_t, sk_h, v_ptr, sv_t, sv_h,
 
 def _heads_per_program(g: int, block_m: int) -> int:
     """The query heads a program packs into its rows: the largest power of two that divides the GQA ratio
-    ``g``, up to 16 and ``block_m``. On an H200 packing took 0.92-1.00x the time of one head per program at 32/8
-    heads (128-row programs, 8-bit prefix) and within 1-2% elsewhere, but 1.44x at 9/3 heads (three heads in
-    rows of 64, 8-bit prefix), so ratios with an odd factor pack only its power of two."""
+    ``g``, up to 16 and ``block_m``. On an H200 packing took 0.84-1.00x the time of one head per program at
+    32/8 and 32/4 heads with 128-row programs over an 8-bit prefix (bf16 0.90-1.01x; 0.96-1.03x with 64-row ones),
+    but 1.44x at 9/3 heads (three heads in rows of 64, 8-bit prefix), so a ratio packs only its power of two."""
     p = 1
     while g % (2 * p) == 0 and 2 * p <= min(16, block_m):
         p *= 2
