@@ -7,13 +7,14 @@
 // pages) and to the new keys of its own sequence (exact, query dtype); causal keeps keys at positions
 // <= its own, a window keeps keys at positions >= p - window_left, softcap maps s to cap * tanh(s / cap).
 //
-// Work split. A CTA owns BLOCK_M = 128 rows (64 at head_dim 256 and for "small", 256 for "tall"), where a "row"
-// is one (token, q head) pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each other,
-// so every K/V tile read (and dequantized) once serves all G heads. Four CTA shapes: "wide", 4 warps of 32 rows
-// (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas), "deep", 8 warps of 16 rows
-// (more warps to hide latency when there are too few CTAs for two per SM), "small", 4 warps of 16 rows (a short
-// plain prefill in one wave) and, for 8-bit caches, "tall", 8 warps of 32 rows (each dequantized tile serves 256
-// rows); plan_shape picks by estimated time and two rules for causal chunks over short prefixes. Sequence b
+// Work split. A CTA owns BLOCK_M = 128 rows (64 for "small" and for "wide" at head_dim 256, 256 for "tall"), where
+// a "row" is one (token, q head) pair of one kv head: the G = Hq / Hkv q heads of a token are packed next to each
+// other, so every K/V tile read (and dequantized) once serves all G heads. Four CTA shapes: "wide", 4 warps of 32
+// rows (two m16 tiles, so each K/V fragment loaded from shared memory feeds two mmas; one at head_dim 256), "deep",
+// 8 warps of 16 rows (more warps to hide latency when there are too few CTAs for two per SM; at head_dim 256, on
+// sm_90, twice wide's rows per K/V tile), "small", 4 warps of 16 rows (a short plain prefill in one wave) and, for
+// 8-bit caches, "tall", 8 warps of 32 rows (each dequantized tile serves 256 rows); plan_shape picks by estimated
+// time and rules for causal chunks over short prefixes and for grids that would not fill the SMs. Sequence b
 // owns the row blocks starting at (cu_seqlens_q[b] * G) / BLOCK_M + b; the grid (Hkv, cdiv(total * G, BLOCK_M)
 // + B, key splits) depends on shapes only, and each CTA finds its sequence by binary search, so the launch is
 // CUDA-graph capturable.
@@ -59,9 +60,10 @@ struct ExtendParams {
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], new tokens of sequence b: [cu[b], cu[b + 1])
   int batch = 0, total_q = 0, num_q_heads = 0;
   int num_sms = 1;                // of the device: picks the CTA shape
-  int max_smem = 99 * 1024;       // opt-in shared memory per CTA of the device, bytes: may rule out "tall"
+  int max_smem = 99 * 1024;       // opt-in shared memory per CTA of the device, bytes: may rule out "tall", and "deep" at head_dim 256
   int shape = 0;                  // CTA shape: 0 by extend_plan, 1 wide, 2 deep, 3 tall (8-bit only, else wide),
-                                  // 4 small; deep and small need head_dim <= 128, else wide
+                                  // 4 small; tall and small need head_dim <= 128, and deep at head_dim 256
+                                  // sm_90's shared memory, else wide
   int num_splits = 0;             // key ranges per row block: 0 by extend_plan; > 1 needs the workspace
   float* workspace = nullptr;     // extend_workspace_floats() floats: the splits' partials, combined by a merge
   bool dependent_merge = false;   // launch the merge as a programmatic dependent of the split kernel (sm_90+)
@@ -112,6 +114,12 @@ using TallCfg = Cfg<D, 64, 2, 8>;
 // and the "small" one of 4 warps (64 rows), whose row blocks split a short causal chunk's work finer.
 template <int D, int W>
 using DeepCfg = Cfg<D, 64, 1, W>;
+// The deep CTA at head_dim 256: 8 warps of one m-tile (128 rows) with Q in shared memory, as FlashAttention-2
+// runs head_dim 256, so that every K/V tile copied (and dequantized) serves twice wide's 64 rows. 64-key tiles
+// over a bf16/fp16 cache (192 KB of shared memory), 32 over an 8-bit one (the raw rows and scales take 64-key
+// tiles past sm_90's 227 KB): sm_90 only, as sm_89 and sm_120 have 99 KB, where wide serves it.
+template <typename S>
+using Deep256Cfg = Cfg<256, StorageTraits<S>::kQuantized ? 32 : 64, 1, 8>;
 
 // Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
 // words, each written and read back by the same thread; two tiles' worth of page numbers. A CTA of one
@@ -785,6 +793,12 @@ constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249,
 // A split must also beat the unsplit estimate by kSplitGain: over many waves, rounding gains a few percent that
 // the splits' fixed costs take back (on an H200, 8192 new tokens over a 4k prefix split 5 ways for an estimated
 // 2.5% took 8-11% more time: bf16 4191 -> 4514 us, q8_0 4168 -> 4635).
+// Time per row of the deep CTA at head_dim 256 relative to wide's: the medians over eight chunks of 256-8192 new
+// tokens over 1k-32k prefixes on an H200 (16/2 heads; q8_0 0.71-0.81, bf16 0.75-0.86; e.g. 2048 over 32k q8_0
+// 8540 -> 6176 us, bf16 6420 -> 4815). Plain prefills gained less (0.83-0.90 from 2048 tokens).
+template <bool kQuant>
+constexpr double kDeep256Cost = kQuant ? 0.74 : 0.79;
+
 constexpr int kMaxSplits = 8;
 constexpr int64_t kMinSplitKeys = 1024;
 constexpr double kSplitGain = 0.9;
@@ -856,6 +870,17 @@ ExtendPlan plan_shape(const ExtendParams& p) {
       }
     }
     if (p.shape == 0 && deep < wide) return {2, s_deep};
+  } else {
+    using Deep = Deep256Cfg<S>;
+    if (p.shape != 1 && p.shape != 3 && p.shape != 4 && Smem<S, Deep>::kBytes <= size_t(p.max_smem)) {
+      int s_deep = 1;
+      const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kDeep256Cost<kQuant>, s_deep);
+      // Not where wide's CTAs, twice as many for the same rows, would each have an SM to itself: 512 new tokens
+      // with no prefix (64 deep CTAs at 16/2 heads, too few keys to split) took 40.1 us deep against 35.4 wide
+      // (bf16; q8_0 43.8 against 42.9), where 512 over a 4k prefix, 128 deep CTAs of two splits, took 183 against
+      // 231 (q8_0 233 against 310).
+      if (p.shape == 2 || (deep < wide && 2 * ctas_of(Deep::kBlockM) * s_deep > p.num_sms)) return {2, s_deep};
+    }
   }
   return {1, s_wide};
 }
@@ -868,6 +893,8 @@ cudaError_t launch_shape(const ExtendParams& p, cudaStream_t stream) {
     }
     if (p.shape == 2) return launch<T, S, DeepCfg<D, 8>>(p, stream);
     if (p.shape == 4) return launch<T, S, DeepCfg<D, 4>>(p, stream);
+  } else {
+    if (p.shape == 2) return launch<T, S, Deep256Cfg<S>>(p, stream);
   }
   return launch<T, S, WideCfg<S, D>>(p, stream);
 }
