@@ -13,7 +13,7 @@ import torch
 import kvq
 from kvq import reference
 
-from common import assert_close_to_truth, backend_ops, decode_truth, poison_, random_paged, rel_err
+from common import FLOOR, attend, backend_ops, decode_truth, poison_, random_paged, rel_err
 
 pytestmark = pytest.mark.gpu
 QUANT = {"q8_0": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -247,10 +247,10 @@ def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group)
     """bf16 values far above fp16's range, with finite scales: the tensor-core kernel dequantizes values to fp16
     only in tiles whose value scales keep every product below 65504, and to bf16 in the others. Some tokens of kv
     head 1 hold such values (scales of 2^9 and more for q8_0, 2^7 for e4m3) among ordinary ones in their tiles;
-    kv head 0 holds none. Head 0's outputs must match the reference as closely as at unit scale; head 1's, whose
-    tiles with large values run P V on bf16 operands, as closely as an attention with bf16 values and
-    probabilities (the bound of every decode test: by the CPU reference, such an attention is 1.4-3.6 times the
-    output's own rounding error from the reference here, so the bound of head 0 does not hold for it)."""
+    kv head 0 holds none. Head 0's outputs must match the reference as closely as at unit scale. Head 1's tiles with
+    large values run P V on bf16 operands, whose error a few dominant tokens decide: twice that of a same-precision
+    attention (the bound of the other decode tests) held on most draws and failed on some (2.2x), as two draws of
+    the same roundings can. Its outputs are held instead to the worst case of those roundings (_bf16_pv_bound)."""
     hkv, lens = 2, [300, 1000]
     p = random_paged(lens, 16, hkv, d, QUANT[fmt], device="cuda")
     slots = torch.stack([p.block_table[b, t // 16].long() * 16 + t % 16
@@ -269,8 +269,28 @@ def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group)
     assert torch.isfinite(out).all()
     o, r = out[:, :group], ref[:, :group]
     assert rel_err(o, r) <= 2 * rel_err(r.to(o.dtype), r) + 1e-5, rel_err(o, r)
-    truth, base = decode_truth(q, p, d ** -0.5, -1, 0.0)
-    assert_close_to_truth(out[:, group:], truth[:, group:], base[:, group:], f"kv head 1 {fmt} d{d}")
+    truth, _ = decode_truth(q, p, d ** -0.5, -1, 0.0)
+    err = (out[:, group:].double() - truth[:, group:]).abs()
+    bound = _bf16_pv_bound(q, p, d ** -0.5, truth)[:, group:]
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"kv head 1 {fmt} d{d}: an error {worst:.2f} times its bound (max abs error {err.max():.3e})"
+
+
+def _bf16_pv_bound(q, p, sm_scale, truth):
+    """Per output element of a decode over ``p``, the first-order worst case of an attention whose only roundings are
+    P and V to bf16 (unit roundoff u = 2^-8) and the output to bf16: P's move the weighted sum and the softmax sum,
+    u (sum_i p_i |v_i| + |o|); V's u sum_i p_i |v_i|; the output's u |o|; in all 2^-7 (sum_i p_i |v_i| + |o|), a
+    quarter more for the fp32 sums and exponentials (far below that), plus the floor of every test. The scores
+    carry no rounding there: the query reaches the tensor cores exactly in fp16 and the key scales are applied to
+    fp32 dot products of exact codes. A wrong scale, token or tile moves an output by about p_i |v_i|, which for
+    the large values is a good part of the sum."""
+    weighted = torch.zeros_like(truth)
+    for b, n in enumerate(p.seq_lens.tolist()):
+        k = reference.gather_sequence(p.k_cache, p.k_scale, p.block_table[b], n)
+        v = reference.gather_sequence(p.v_cache, p.v_scale, p.block_table[b], n)
+        pos = torch.arange(n, device=q.device)
+        weighted[b] = attend(q[b:b + 1], k, v.abs(), pos[-1:], pos, sm_scale, True, -1, 0.0)[0]
+    return 1.25 * 2.0 ** -7 * (weighted + truth.abs()) + FLOOR
 
 
 @pytest.mark.parametrize("sm_scale,softcap", [(math.inf, 0.0), (math.nan, 0.0), (0.1, math.inf)])
