@@ -793,9 +793,13 @@ constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249,
 // A split must also beat the unsplit estimate by kSplitGain: over many waves, rounding gains a few percent that
 // the splits' fixed costs take back (on an H200, 8192 new tokens over a 4k prefix split 5 ways for an estimated
 // 2.5% took 8-11% more time: bf16 4191 -> 4514 us, q8_0 4168 -> 4635).
-// Time per row of the deep CTA at head_dim 256 relative to wide's: the medians over eight chunks of 256-8192 new
-// tokens over 1k-32k prefixes on an H200 (16/2 heads; q8_0 0.71-0.81, bf16 0.75-0.86; e.g. 2048 over 32k q8_0
-// 8540 -> 6176 us, bf16 6420 -> 4815). Plain prefills gained less (0.83-0.90 from 2048 tokens).
+// Cost per row of the deep CTA at head_dim 256 in the estimate: the medians of its time per row over wide's at
+// eight chunks of 256-8192 new tokens over 1k-32k prefixes on an H200 (16/2 heads; q8_0 0.71-0.81, bf16 0.75-0.86;
+// e.g. 2048 over 32k q8_0 8540 -> 6176 us, bf16 6420 -> 4815; plain prefills gained less, 0.83-0.90 from 2048
+// tokens). The estimate sets them against wide's cost there, kShapeCosts<kQuant, 256>.wide: 1.0 for bf16/fp16, but
+// for 8-bit caches the head_dim 128 ratio to tall, 2572/2161, so 8-bit deep counts 0.62x wide, not the measured
+// 0.74x. With the rule below, the benchmark's nine shapes, timed after it, each took the faster of the two (wide
+// only in the 512-token prefill, where the rule refuses deep), as the estimate says the sweep's others would.
 template <bool kQuant>
 constexpr double kDeep256Cost = kQuant ? 0.74 : 0.79;
 
