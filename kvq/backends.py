@@ -158,8 +158,9 @@ def info() -> dict:
 @contextlib.contextmanager
 def pinned_cuda_kernel(setter: str, choice: str):
     """Hold one kernel choice of ``kvq._C`` for the block and restore the previous one after it: ``setter`` is
-    ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp", "columns": kv heads
-    of the tensor-core decode per CTA or per warp, or at head_dim 256 per CTA of warps dividing the columns),
+    ``"set_decode_kernel"`` ("auto", "fma", "tc"), ``"set_decode_heads"`` ("auto", "cta", "warp", "columns", "rows":
+    kv heads of the tensor-core decode per CTA or per warp, at head_dim 256 per CTA of warps dividing the columns, or
+    for 8-bit caches at head_dim 64 two or three per warp),
     ``"set_decode_pdl"`` ("auto", "merge", "off": the decode split kernel and merge, the merge alone, or neither,
     launched as programmatic dependents where the device can), ``"set_extend_shape"`` ("auto", "wide", "deep",
     "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged after),

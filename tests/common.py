@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Where the Triton kernels run: compiled, on CUDA tensors, where there is a GPU; else in Triton's interpreter on
 # CPU tensors (conftest sets TRITON_INTERPRET=1 on a machine without a GPU).
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
-CUDA_BACKENDS = ("cuda", "cuda-fma", "cuda-warp", "cuda-columns", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-small", "cuda-split")
+CUDA_BACKENDS = ("cuda", "cuda-fma", "cuda-warp", "cuda-columns", "cuda-rows", "cuda-wide", "cuda-deep", "cuda-tall", "cuda-small", "cuda-split")
 
 
 def device_of(backend: str) -> str:
@@ -132,7 +132,9 @@ def backend_ops(name: str):
     8-bit caches whose splits are long enough; where the kv heads do not divide into its warps, in CTAs of fewer
     warps: three at 9/3 heads, two at 16/2; a prime number of kv heads above four keeps one per CTA);
     ``cuda-columns`` with the warps of a CTA dividing head_dim, where that mode exists (head_dim 256, every cache
-    format; elsewhere the rule);
+    format; elsewhere the rule); ``cuda-rows`` with two or three adjacent kv heads per warp, where that mode exists
+    (8-bit caches at head_dim 64 with up to 8 query heads per kv head and an even number or a multiple of three kv
+    heads; elsewhere the rule);
     ``cuda-wide`` / ``cuda-deep`` / ``cuda-tall`` / ``cuda-small`` with the extend kernel held to one CTA shape (the
     rule picks by estimated time, so small test shapes would otherwise only reach one); ``cuda-split`` with the keys
     of each extend row block split over three CTAs and merged (the rule splits only long prefixes).
@@ -156,6 +158,8 @@ def backend_ops(name: str):
             return _Pinned("decode_attention", "set_decode_heads", "warp")
         if name == "cuda-columns":
             return _Pinned("decode_attention", "set_decode_heads", "columns")
+        if name == "cuda-rows":
+            return _Pinned("decode_attention", "set_decode_heads", "rows")
         if name == "cuda-split":
             return _Pinned("extend_attention", "set_extend_splits", "3")
         return _Pinned("extend_attention", "set_extend_shape", name.split("-")[1])

@@ -20,8 +20,8 @@ from common import (FORMATS, TRITON_DEVICE, assert_close_to_truth, attend, backe
 
 BACKENDS = ["triton", "cuda"]
 # The CUDA decode has a tensor-core and an FMA kernel, and the tensor-core one maps kv heads to CTAs or to warps
-# (or, at head_dim 256, a kv head to a CTA whose warps divide head_dim).
-DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp", "cuda-columns"]
+# (or, at head_dim 256, a kv head to a CTA whose warps divide head_dim; at head_dim 64, 8-bit, kv heads to a warp).
+DECODE_BACKENDS = BACKENDS + ["cuda-fma", "cuda-warp", "cuda-columns", "cuda-rows"]
 # extend CTA shapes, key splits
 EXTEND_BACKENDS = BACKENDS + ["cuda-wide", "cuda-deep", "cuda-tall", "cuda-small", "cuda-split"]
 

@@ -24,11 +24,12 @@ def ops():
     return backend_ops("cuda")
 
 
-@pytest.fixture(params=["cuda", "cuda-fma", "cuda-warp", "cuda-columns"])
+@pytest.fixture(params=["cuda", "cuda-fma", "cuda-warp", "cuda-columns", "cuda-rows"])
 def decode_ops(request):
     """The CUDA ops with either decode kernel (tensor cores, FMA), and the tensor-core kernel with one kv head
-    per warp (CTAs of fewer warps where the kv heads do not divide into its warps: two at 2 kv heads) or with
-    the warps of a CTA dividing head_dim (at head_dim 256, every cache format)."""
+    per warp (CTAs of fewer warps where the kv heads do not divide into its warps: two at 2 kv heads), with
+    the warps of a CTA dividing head_dim (at head_dim 256, every cache format) or with two or three kv heads per
+    warp (8-bit caches at head_dim 64)."""
     return backend_ops(request.param)
 
 
@@ -175,6 +176,21 @@ def test_decode_matches_reference(decode_ops, fmt, d, group):
     _assert_close(out, ref, lens)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (3, 3), (24, 6), (8, 8)])
+@pytest.mark.parametrize("page_size", [1, 5, 16, 48])
+def test_decode_kv_heads_per_warp(fmt, hq, hkv, page_size):
+    """Two or three adjacent kv heads per warp (8-bit, head_dim 64: three at 9/3 and 3/3 heads, two at 24/6 and 8/8):
+    each kv head's queries read their own columns and scales of the rows the warp copies, in tiles inside a page and
+    across pages, with a window whose tiles start mid-page and a soft-cap."""
+    ops = backend_ops("cuda-rows")
+    lens = [1, 33, 700, 0, 3000]
+    dtype = torch.float16 if page_size == 5 else torch.bfloat16
+    for window_left, softcap in ((-1, 0.0), (300, 20.0)):
+        out, ref = _decode_case(ops, fmt, dtype, lens, hq, hkv, 64, page_size, window_left, softcap)
+        _assert_close(out, ref, lens)
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 64, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_page_sizes_and_dtypes(decode_ops, page_size, dtype):
@@ -241,7 +257,7 @@ def test_decode_infinite_value_scales_match_the_reference(decode_ops, fmt):
 
 
 @pytest.mark.parametrize("group", [4, 16])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
 def test_decode_values_above_fp16_match_the_reference(decode_ops, fmt, d, group):
     """bf16 values far above fp16's range, with finite scales: the tensor-core kernel dequantizes values to fp16

@@ -60,7 +60,7 @@ def test_every_op_has_a_compiled_cuda_kernel(ext):
 
 
 @pytest.mark.parametrize("setter, names", [("set_decode_kernel", ("auto", "fma", "tc")),
-                                           ("set_decode_heads", ("auto", "cta", "warp", "columns")),
+                                           ("set_decode_heads", ("auto", "cta", "warp", "columns", "rows")),
                                            ("set_decode_pdl", ("auto", "off", "merge")),
                                            ("set_extend_shape", ("auto", "wide", "deep", "tall", "small")),
                                            ("set_extend_splits", ("auto", "1", "2", "3", "4")),

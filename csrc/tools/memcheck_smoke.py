@@ -30,7 +30,7 @@ torch.manual_seed(0)
 dev = "cuda"
 for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
     for d, page_size, hq, hkv in ((64, 1, 2, 2), (128, 16, 32, 8), (256, 5, 16, 1), (128, 3, 12, 1), (256, 128, 16, 8),
-                                  (64, 7, 9, 3), (256, 16, 32, 2), (128, 16, 32, 2)):
+                                  (64, 7, 9, 3), (64, 32, 9, 3), (256, 16, 32, 2), (128, 16, 32, 2)):
         pages = 40
         kc, ks = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
         vc, vs = kvq.new_cache(pages, page_size, hkv, d, cache_dt, dev)
@@ -50,7 +50,7 @@ for cache_dt in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
         lens = torch.tensor([0, 12 * page_size, 3], dtype=torch.int32, device=dev)
         q = torch.randn(3, hq, d, dtype=torch.bfloat16, device=dev)
         out = torch.empty_like(q)
-        for kernel, heads in (("tc", "cta"), ("tc", "warp"), ("tc", "columns"), ("fma", "auto")):
+        for kernel, heads in (("tc", "cta"), ("tc", "warp"), ("tc", "columns"), ("tc", "rows"), ("fma", "auto")):
             with pinned("set_decode_kernel", kernel), pinned("set_decode_heads", heads):
                 torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, out)
                 lens[1] = 12 * page_size if full else 10 ** 6  # beyond the block table: clamped

@@ -12,7 +12,8 @@ using namespace kvq_torch;
 
 namespace {
 std::atomic<int> g_decode_kernel{0};
-std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per CTA, 2: one per warp wherever it can
+std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per CTA, 2: one per warp wherever it can,
+                                     // 3: column warps at head_dim 256, 4: kv heads per warp wherever it can
 std::atomic<int> g_decode_pdl{0};    // programmatic dependent launches where the device can: 0 split and merge,
                                      // 1 none, 2 the merge only
 // GQA groups from this size up use the tensor-core kernel. On an H200 it beat the FMA kernel at every
@@ -33,6 +34,26 @@ constexpr int kTensorCoreGroup = 1;
 bool column_warps_pay(const kvq::DecodeParams& p, bool quantized, int max_tokens) {
   const int64_t pairs = static_cast<int64_t>(p.batch) * p.num_kv_heads;
   return pairs <= 16 && pairs * max_tokens <= (quantized ? 16384 : 131072);
+}
+
+// Adjacent kv heads per warp (p.row_heads; decode_tc.cuh's NH) for 8-bit caches at head_dim 64 with up to 8 query heads
+// per kv head: two where the kv heads pair up (a pair's rows are one 128-byte line), three where they come in threes
+// (9/3 heads: a token's 192-byte row); else 1.
+int row_heads_for(const kvq::DecodeParams& p, bool quantized) {
+  if (!quantized || p.head_dim != 64 || p.num_q_heads > 8 * p.num_kv_heads) return 1;
+  return p.num_kv_heads % 2 == 0 ? 2 : (p.num_kv_heads % 3 == 0 ? 3 : 1);
+}
+
+// Kv heads per warp pay where each warp of their plan (plan_tc_splits) walks at least 16 tiles. On an H200 (q8_0, 32/8
+// and 9/3 heads at d64, batch 1-64 with 1k-256k tokens; the rule before against 'rows' pinned, the faster of two
+// alternated rounds in one process): there 0.82-0.96x the time (32/8 heads at batch 64 with 4k tokens 113.9 -> 93.7
+// us, batch 8 with 128k 396.5 -> 361.2; 9/3 heads at batch 64 with 8k 80.1 -> 73.0, batch 8 with 128k 146.5 ->
+// 136.6), except 9/3 heads at batch 1 with 256k (16 tiles: 43.4 against 43.0 us); below it 0.99-1.60x (shorter walks
+// do not pay for the larger merge and the longer first tiles of three heads' rows: 9/3 heads at batch 1 with 1k
+// tokens 4.33 -> 6.92 us). Data: bench/results/h200-2026-12-01-decode-rows-ab.json.
+bool rows_pay(const kvq::DecodeParams& p, int max_tokens) {
+  constexpr int kTile = kvq::decode_tc::kTile;
+  return max_tokens / (int64_t{p.num_splits} * kTile * kvq::decode_tc_shape(p).warps) >= 16;
 }
 
 // The tensor-core kernel's split count and kv-head mapping (p.num_splits, p.heads_per_cta), from shapes only.
@@ -85,6 +106,14 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   };
   auto tiles_per_warp = [&](int splits, int warps) { return max_tokens / (int64_t{splits} * kTile * warps); };
   p.heads_per_cta = 1;
+  if (p.row_heads > 1) {  // kv heads per warp: the CTAs of (sequence, group of row_heads kv heads), as per CTA below
+    const int groups = p.num_kv_heads / p.row_heads;
+    const int c = int64_t{p.batch} * groups > int64_t{sms} * std::min(shape.ctas_per_sm, 2)
+                      ? shape.ctas_per_sm
+                      : std::min(shape.ctas_per_sm, 2);
+    p.num_splits = splits_for(groups, w, c);
+    return;
+  }
   if (p.column_warps > 1) {
     // The CTA's warps walk each tile together: the token math of one warp. Splits for two CTAs per SM: inside the
     // bounds of column_warps_pay, one per SM took 0.93-1.25x that time and three per SM 0.97-1.14x (H200, same runs).
@@ -231,7 +260,13 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
     const int heads_choice = g_decode_heads.load();
     if (p.head_dim == 256 && (heads_choice == 3 || (heads_choice == 0 && column_warps_pay(p, c.quantized, max_tokens))))
       p.column_warps = 4;
+    else if (heads_choice == 0 || heads_choice == 4)
+      p.row_heads = row_heads_for(p, c.quantized);
     plan_tc_splits(p, kvq::decode_tc_shape(p), c.quantized, max_tokens, sms, heads_choice);
+    if (heads_choice == 0 && p.row_heads > 1 && !rows_pay(p, max_tokens)) {
+      p.row_heads = 1;
+      plan_tc_splits(p, kvq::decode_tc_shape(p), c.quantized, max_tokens, sms, heads_choice);
+    }
   } else {  // FMA: splits of at least two chunks per warp, over two CTAs per SM
     p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
                                           2 * warps * kvq::detail::kChunkTokens, 2 * sms);

@@ -37,7 +37,7 @@ static PyObject* set_decode_kernel(PyObject*, PyObject* arg) {
 }
 
 static PyObject* set_decode_heads(PyObject*, PyObject* arg) {
-  static const char* const names[] = {"auto", "cta", "warp", "columns"};
+  static const char* const names[] = {"auto", "cta", "warp", "columns", "rows"};
   return choose(arg, names, kvq_set_decode_heads, "decode kv-head mapping");
 }
 
@@ -75,8 +75,9 @@ static PyMethodDef kMethods[] = {
     {"set_decode_heads", set_decode_heads, METH_O,
      "Map kv heads of the tensor-core decode kernel: 'auto' (by format and split length), 'cta' (one per CTA), "
      "'warp' (one per warp, in CTAs of as many warps as the largest divisor of the kv heads up to its warps) or "
-     "'columns' (at head_dim 256, one per CTA whose four warps divide the columns; elsewhere as 'auto'); returns the "
-     "previous."},
+     "'columns' (at head_dim 256, one per CTA whose four warps divide the columns; elsewhere as 'auto') or 'rows' "
+     "(8-bit caches at head_dim 64 with up to 8 query heads per kv head: two or three adjacent kv heads per warp, "
+     "where the kv heads divide so; elsewhere as 'auto'); returns the previous."},
     {"set_decode_pdl", set_decode_pdl, METH_O,
      "Programmatic dependent launches of the decode kernels (on devices of compute capability 9.0 and newer): "
      "'auto' (the split kernel after the kernel before it, the merge after the split), 'merge' (the merge only) "

@@ -43,6 +43,7 @@ struct DecodeParams {
   int num_splits = 1;          // from decode_plan
   int heads_per_cta = 1;       // tensor-core kernel: 1, or its warps per CTA (one kv head per warp)
   int column_warps = 1;        // tensor-core kernel: 1, or 4 warps dividing head_dim 256 (one kv head per CTA)
+  int row_heads = 1;           // tensor-core kernel: 1, or 2-3 adjacent kv heads per warp (8-bit, head_dim 64)
   float* workspace = nullptr;  // decode_workspace_floats() floats
   int num_sms = 0;               // of the device: sizes the merge
   bool dependent_merge = false;  // launch the merge as a programmatic dependent of the split kernel (sm_90+)

@@ -44,17 +44,21 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // COLS > 1: the CTA's COLS warps divide each row's head_dim, HD columns each (the cache's head_dim is HD * COLS),
 // and walk the same tiles, summing their partial scores in shared memory (split_kernel).
-template <typename S, int HD, int GMAX, int COLS = 1>
+// NH > 1: each warp owns NH adjacent kv heads (8-bit, head_dim 64), whose rows of a token are one NH * 64-byte
+// slice of the page: a head's 8-bit row there is half an L2 line, and a warp that copies only its own head's
+// halves spends two L2 requests per line that one request of a wider slice fills.
+template <typename S, int HD, int GMAX, int COLS = 1, int NH = 1>
 struct Cfg {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
-  static constexpr int kRowBytes = HD * static_cast<int>(sizeof(S));
-  static constexpr int kNC = kRowBytes / 16;  // 16-byte chunks per row
+  static constexpr int kRowBytes = HD * static_cast<int>(sizeof(S));  // one head's row
+  static constexpr int kSpan = NH * kRowBytes;                        // the warp's slice of a token row
+  static constexpr int kNC = kSpan / 16;  // 16-byte chunks per slice
   static constexpr int kCE = 16 / static_cast<int>(sizeof(S));  // elements per chunk
   static constexpr int kKPC = kCE / 4;  // QK k-steps fed by one chunk
   // Unquantized key rows are read in 16-byte chunks (XOR-swizzled); 8-bit key rows in 8-byte words, one
   // 32-element block per 4 threads, which a 32-byte pad keeps free of bank conflicts.
   static constexpr bool kSwizzle = !kQuant && kNC >= 8;
-  static constexpr int kKStride = kQuant ? kRowBytes + 32 : kRowBytes;
+  static constexpr int kKStride = kQuant ? kSpan + 32 : kSpan;
   // L2 prefetch hint of the row copies (cp_async16), measured on an H200 against none or the other size:
   // unquantized rows 128 bytes (1.5-3% less time for bf16 from 4k tokens at 32/8 d128, 16/2 d256, 9/3 d64, batch
   // 1-64; 256 bytes up to 5% more); 8-bit rows at head_dim 128 256 bytes (0.8-2.5% less at 32/8 heads, batch 8 with
@@ -62,9 +66,9 @@ struct Cfg {
   // up to 8% more at batch 8-64 with 128k). At head_dim 64 256 bytes ranged from 12% less (9/3 heads, batch 64
   // with 4k) to 14% more (batch 1 with 128k), and at 256 it stayed within 1.3%, so those copy without one.
   static constexpr int kPrefetch = !kQuant ? 128 : (HD == 128 ? 256 : 0);
-  static constexpr int kVStride = kRowBytes + 16;
+  static constexpr int kVStride = kSpan + 16;
   static constexpr int kNB = HD / kBlock;
-  static constexpr int kScaleBytes = kQuant ? kNB * 2 : 0;  // per row
+  static constexpr int kScaleBytes = kQuant ? NH * kNB * 2 : 0;  // per row
   static constexpr int kKOff = 0;
   static constexpr int kVOff = kTile * kKStride;
   static constexpr int kKSOff = kVOff + kTile * kVStride;
@@ -82,17 +86,20 @@ struct Cfg {
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
   // Column warps (COLS > 1) take the CTA counts above, and after their rings two buffers of every warp's partial
   // scores (split_kernel).
-  static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8;
+  // Warps of NH kv heads (three times the bytes per tile at NH = 3) take two CTAs of four warps and three stages.
+  static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8 && NH == 1;
   static constexpr int kWarps = COLS > 1 ? COLS : 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
-  static constexpr int kCtasPerSm = kFour ? 4 : (kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3);
+  static constexpr int kCtasPerSm =
+      kFour ? 4 : (kWarps == 4 && (NH > 1 || 4 * 2 * kStageBytes > 72 * 1024) ? 2 : 3);
   static constexpr int kXchBytes = COLS > 1 ? 2 * COLS * 32 * (GMAX > 8 ? 8 : 4) * 4 : 0;
   static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? (COLS > 1 ? 74 : 72) : 110) * 1024;
   static constexpr int kStages = std::min(4, (kSmemPerCta - kXchBytes) / (kWarps * kStageBytes));
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   static constexpr int kXchOff = kRing;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
-  static constexpr int kSmem = COLS > 1 ? kRing + kXchBytes : std::max(kRing, kWarps * 16 * (HD + 2) * 4);
+  static constexpr int kSmem = COLS > 1 ? kRing + kXchBytes : std::max(kRing, kWarps * NH * 16 * (HD + 2) * 4);
   static_assert(COLS == 1 || kCtasPerSm >= 3, "decode_tc: column warps are sized for three or four CTAs per SM");
+  static_assert(NH == 1 || (kQuant && HD == 64 && GMAX <= 8 && COLS == 1), "decode_tc: NH > 1 is for 8-bit d64 rows");
   static_assert(kSmem % kWarps == 0, "decode_tc: a CTA of fewer warps takes kSmem / kWarps per warp");
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
@@ -186,20 +193,25 @@ __device__ __forceinline__ void raw8_to_half(uint2 raw, uint32_t (&h)[4]) {
 
 // grid (num_splits, num_kv_heads, batch); block kWarps * 32. T: the query dtype (and the mma operand type).
 // COLS > 1: warp w takes columns [w HD, (w + 1) HD) of the cache's head_dim HD * COLS (Cfg).
-template <typename S, typename T, int HD, int GMAX, int COLS = 1>
-__global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
-                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD, GMAX, COLS>::kWarps),
-                                                           (Cfg<S, HD, GMAX, COLS>::kCtasPerSm)))
+// NH > 1: the warp owns kv heads [NH y, NH y + NH) for blockIdx.y = y, and keeps a softmax state for each.
+template <typename S, typename T, int HD, int GMAX, int COLS = 1, int NH = 1>
+__global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
+                                  KVQ_DECODE_TC_MIN_BLOCKS((Cfg<S, HD, GMAX, COLS, NH>::kWarps),
+                                                           (Cfg<S, HD, GMAX, COLS, NH>::kCtasPerSm)))
     split_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ FastDivmod pdm) {
-  using C = Cfg<S, HD, GMAX, COLS>;
+  using C = Cfg<S, HD, GMAX, COLS, NH>;
   constexpr int kHead = HD * COLS;  // the cache's head_dim
   constexpr bool kQuant = C::kQuant;
   constexpr bool kRows2 = GMAX > 8;  // rows 8..15 hold query heads
   constexpr int kRows = kRows2 ? 2 : 1;
   constexpr int KS = HD / 16;        // k-steps of Q K^T
   // P V in fp16 (see the top): for fp16 queries, and for 8-bit caches at head_dim 128 and 256 with bf16 queries tile
-  // by tile (kGuarded).
-  constexpr bool kGuarded = kQuant && !std::is_same_v<T, __half> && kHead >= 128;
+  // by tile (kGuarded); at head_dim 64 too for warps of two kv heads. On an H200 (q8_0, bf16 queries, the time of two
+  // kv heads per warp over that of one kv head per warp in the same process, against the same ratio with bf16 P V)
+  // that took 3-10% off 32/8 heads at batch 1 with 128k tokens, batch 8 with 32k-128k and batch 64 with 4k-32k; warps
+  // of three kv heads (9/3 heads), whose instance then carries both P V routes for each of its heads, took 5-11% more
+  // (bench/results/h200-2026-12-01-decode-rows-ab.json against -decode-rows-fp16-pv.json).
+  constexpr bool kGuarded = kQuant && !std::is_same_v<T, __half> && (kHead >= 128 || NH == 2);
   constexpr bool kP16 = kGuarded || std::is_same_v<T, __half>;
   constexpr float kPExp = kP16 ? 15.0f : 0.0f;
 
@@ -215,8 +227,9 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
 
   // One kv head per CTA, its warps taking the split's tiles round robin, or one per warp (a CTA of
   // heads_per_cta warps, at most kWarps), each warp walking the whole split of its head.
-  const bool warp_heads = COLS == 1 && p.heads_per_cta > 1;
-  const int split = blockIdx.x, kvh = warp_heads ? blockIdx.y * p.heads_per_cta + warp : blockIdx.y, b = blockIdx.z;
+  const bool warp_heads = COLS == 1 && NH == 1 && p.heads_per_cta > 1;
+  const int split = blockIdx.x, kvh = warp_heads ? blockIdx.y * p.heads_per_cta + warp : blockIdx.y * NH;
+  const int b = blockIdx.z;
   const int col0 = COLS > 1 ? warp * HD : 0;  // this warp's first column
   const int G = p.num_q_heads / p.num_kv_heads;
   const paged_kv_t<S> cache = detail::decode_cache<S, kHead>(p);
@@ -235,70 +248,81 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
   // (sm_90) spill a register inside the tile loop of the head_dim 128, 8-row instance (6-13% more time at
   // batch 64).
   using QT = std::conditional_t<kQuant, __half, T>;
-  uint32_t qa[KS][kRows2 ? 4 : 2];
-  float qs[kRows];  // per row: sm_scale (* log2 e) / the row's power of two
+  uint32_t qa_all[NH][KS][kRows2 ? 4 : 2];  // [kv head of the warp]
+  float qs_all[NH][kRows];  // per row: sm_scale (* log2 e) / the row's power of two
   const bool softcap = p.logit_softcap > 0.0f;
   const float qscale = softcap ? p.sm_scale : p.sm_scale * kLog2e;
   // k-steps 2j and 2j + 1 of this thread take elements [8 c, 8 c + 8) of its rows, c = 4 j + tig (k = 2 tig,
   // 2 tig + 1 from words 0 and 2, k = 2 tig + 8, 2 tig + 9 from words 1 and 3): one 16-byte load per row and
   // pair of k-steps (the adapter passes a 16-byte aligned query).
   constexpr int kQC = HD / 32;
-  uint4 raw[kRows][kQC];
+  uint4 raw_all[NH][kRows][kQC];
   auto fetch_query = [&]() {
-    const T* q = static_cast<const T*>(p.query) + b * p.q_stride_batch + kvh * G * p.q_stride_head + col0 + 8 * tig;
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      const int row = gid + 8 * h;
+    for (int hh = 0; hh < NH; ++hh) {
+      auto& raw = raw_all[hh];
+      const T* q = static_cast<const T*>(p.query) + b * p.q_stride_batch + (kvh + hh) * G * p.q_stride_head + col0 +
+                   8 * tig;
 #pragma unroll
-      for (int j = 0; j < kQC; ++j)
-        raw[h][j] = row < G ? __ldg(reinterpret_cast<const uint4*>(q + row * p.q_stride_head + 32 * j))
-                            : make_uint4(0u, 0u, 0u, 0u);
+      for (int h = 0; h < kRows; ++h) {
+        const int row = gid + 8 * h;
+#pragma unroll
+        for (int j = 0; j < kQC; ++j)
+          raw[h][j] = row < G ? __ldg(reinterpret_cast<const uint4*>(q + row * p.q_stride_head + 32 * j))
+                              : make_uint4(0u, 0u, 0u, 0u);
+      }
     }
   };
   auto query_fragments = [&]() {  // raw -> qs, qa
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      qs[h] = qscale;
-      if constexpr (kQuant) {
-        float f[kQC][8];
-        float amax = 0.0f;
+    for (int hh = 0; hh < NH; ++hh) {
+      auto& raw = raw_all[hh];
+      auto& qs = qs_all[hh];
+      auto& qa = qa_all[hh];
 #pragma unroll
-        for (int j = 0; j < kQC; ++j) {
-          unpack8<T>(raw[h][j], f[j]);
+      for (int h = 0; h < kRows; ++h) {
+        qs[h] = qscale;
+        if constexpr (kQuant) {
+          float f[kQC][8];
+          float amax = 0.0f;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[j][e]));
-        }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        // amax in [2^(ex-1), 2^ex) (a subnormal amax reads as ex = -126, which the clamp below treats alike)
-        const int ex = amax > 0.0f && amax <= 3.4e38f ? ((__float_as_int(amax) >> 23) & 0xFF) - 126 : 0;
-        const int shift = min(max(15 - ex, -120), 100);
-        qs[h] = qscale * pow2(-shift);
-        const float mul = pow2(shift);  // as ldexpf: exact unless the result is subnormal
+          for (int j = 0; j < kQC; ++j) {
+            unpack8<T>(raw[h][j], f[j]);
 #pragma unroll
-        for (int j = 0; j < kQC; ++j) {
-          uint32_t* w = reinterpret_cast<uint32_t*>(&raw[h][j]);
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[j][e]));
+          }
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+          // amax in [2^(ex-1), 2^ex) (a subnormal amax reads as ex = -126, which the clamp below treats alike)
+          const int ex = amax > 0.0f && amax <= 3.4e38f ? ((__float_as_int(amax) >> 23) & 0xFF) - 126 : 0;
+          const int shift = min(max(15 - ex, -120), 100);
+          qs[h] = qscale * pow2(-shift);
+          const float mul = pow2(shift);  // as ldexpf: exact unless the result is subnormal
 #pragma unroll
-          for (int x = 0; x < 4; ++x) w[x] = pack2<__half>(f[j][2 * x] * mul, f[j][2 * x + 1] * mul);
+          for (int j = 0; j < kQC; ++j) {
+            uint32_t* w = reinterpret_cast<uint32_t*>(&raw[h][j]);
+#pragma unroll
+            for (int x = 0; x < 4; ++x) w[x] = pack2<__half>(f[j][2 * x] * mul, f[j][2 * x + 1] * mul);
+          }
         }
       }
+#pragma unroll
+      for (int j = 0; j < kQC; ++j)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&raw[0][j]);
+          const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&raw[kRows - 1][j]);
+          if constexpr (kRows2) {
+            qa[2 * j + s][0] = w0[2 * s];
+            qa[2 * j + s][1] = w1[2 * s];
+            qa[2 * j + s][2] = w0[2 * s + 1];
+            qa[2 * j + s][3] = w1[2 * s + 1];
+          } else {
+            qa[2 * j + s][0] = w0[2 * s];
+            qa[2 * j + s][1] = w0[2 * s + 1];
+          }
+        }
     }
-#pragma unroll
-    for (int j = 0; j < kQC; ++j)
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const uint32_t* w0 = reinterpret_cast<const uint32_t*>(&raw[0][j]);
-        const uint32_t* w1 = reinterpret_cast<const uint32_t*>(&raw[kRows - 1][j]);
-        if constexpr (kRows2) {
-          qa[2 * j + s][0] = w0[2 * s];
-          qa[2 * j + s][1] = w1[2 * s];
-          qa[2 * j + s][2] = w0[2 * s + 1];
-          qa[2 * j + s][3] = w1[2 * s + 1];
-        } else {
-          qa[2 * j + s][0] = w0[2 * s];
-          qa[2 * j + s][1] = w0[2 * s + 1];
-        }
-      }
   };
   const detail::WarpTokens wt = warp_heads || COLS > 1
                                     ? detail::warp_tokens<kTile>(p, cache.length(b), split, 0, 1)
@@ -358,7 +382,72 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
       cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + piece * 16, vsrc, ok ? 16 : 0);
     };
     uint32_t valid;  // bit r: row r of the tile is a visible token
-    if (off0 + kTile <= p.page_size) {
+    if constexpr (NH > 1) {
+      // The warp's slices of the tile's rows as kTile * kNC pieces in order, 32 per step, and the rows' scales as
+      // 4-byte words in order (keys, then values), so that a step of a tile inside one page covers whole lines.
+      constexpr int kPieceSteps = kTile * C::kNC / 32, kSW = C::kScaleBytes / 4;  // scale words per row
+      static_assert(kTile * C::kNC % 32 == 0, "decode_tc: a tile's slices are whole steps of the warp");
+      auto copy_piece = [&](int r, int pc, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
+        cp_async16<C::kPrefetch>(st_addr + C::kKOff + r * C::kKStride + pc * 16, ksrc, ok ? 16 : 0);
+        cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + pc * 16, vsrc, ok ? 16 : 0);
+      };
+      // Scale word j of the tile (row r, word x of its slice) from the scales of the warp's first head of `slot`.
+      auto copy_scale = [&](int r, int x, bool of_k, int64_t slot, bool ok) {
+        const uint16_t* src = (of_k ? p.k_scale : p.v_scale) + (slot * p.num_kv_heads + kvh) * C::kNB + 2 * x;
+        cp_async_small<4>(st_addr + (of_k ? C::kKSOff : C::kVSOff) + r * C::kScaleBytes + 4 * x, ok ? src : p.k_scale,
+                          ok ? 4 : 0);
+      };
+      const int head_bytes = kvh * kHead * static_cast<int>(sizeof(S));
+      if (off0 + kTile <= p.page_size) {
+        const int n = tile_page >= 0 ? min(kTile, end - t0) : 0;  // rows [0, n) are valid
+        const int64_t pg = tile_page >= 0 ? tile_page : 0;
+        const unsigned char* kb = kbase + head_bytes + pg * k_page_bytes + off0 * row_bytes;
+        const unsigned char* vb = vbase + head_bytes + pg * v_page_bytes + off0 * row_bytes;
+#pragma unroll
+        for (int i = 0; i < kPieceSteps; ++i) {
+          const int idx = 32 * i + lane, r = idx / C::kNC, pc = idx % C::kNC;
+          copy_piece(r, pc, kb + r * row_bytes + pc * 16, vb + r * row_bytes + pc * 16, r < n);
+        }
+        valid = n >= kTile ? 0xFFFFu : (1u << n) - 1u;
+        const int64_t slot0 = pg * p.page_size + off0;
+#pragma unroll
+        for (int j = 0; j < kSW; ++j) {
+          const int w = 32 * j + lane;
+          const bool of_k = w < kTile * kSW;
+          const int q = of_k ? w : w - kTile * kSW, r = q / kSW;
+          copy_scale(r, q % kSW, of_k, slot0 + r, r < n);
+        }
+      } else {
+        auto locate = [&](int r, int64_t& page, int& off) {
+          int idx;
+          pdm.divmod(t0 + r, idx, off);
+          page = t0 + r < end ? cache.page_at(b, idx) : -1;
+        };
+#pragma unroll
+        for (int i = 0; i < kPieceSteps; ++i) {
+          const int idx = 32 * i + lane, r = idx / C::kNC, pc = idx % C::kNC;
+          int64_t page;
+          int off;
+          locate(r, page, off);
+          const bool ok = page >= 0;
+          const int64_t ko = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+          const int64_t vo = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
+          copy_piece(r, pc, kbase + ko + pc * 16, vbase + vo + pc * 16, ok);
+        }
+        int64_t page;
+        int off;
+        locate(r0, page, off);
+        valid = __ballot_sync(0xffffffffu, page >= 0) & 0xFFFFu;
+#pragma unroll
+        for (int j = 0; j < kSW; ++j) {
+          const int w = 32 * j + lane;
+          const bool of_k = w < kTile * kSW;
+          const int q = of_k ? w : w - kTile * kSW, r = q / kSW;
+          locate(r, page, off);
+          copy_scale(r, q % kSW, of_k, page * p.page_size + off, page >= 0);
+        }
+      }
+    } else if (off0 + kTile <= p.page_size) {
       // All 16 rows of the tile are in page `pg` (rows past the sequence's end too: their copies read nothing,
       // but their addresses stay inside the cache).
       const int n = tile_page >= 0 ? min(kTile, end - t0) : 0;  // rows [0, n) are valid
@@ -405,16 +494,19 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
   };
 
   // o[mt][h]: the m-tile mt of O^T (rows: 16 value columns, see the P V step) for query heads 8 h + 2 tig and
-  // 8 h + 2 tig + 1 (columns), as the mma's C fragment.
-  float m[kRows], l[kRows], o[HD / 16][kRows][4];
+  // 8 h + 2 tig + 1 (columns), as the mma's C fragment; one such state per kv head of the warp.
+  float m_all[NH][kRows], l_all[NH][kRows], o_all[NH][HD / 16][kRows][4];
 #pragma unroll
-  for (int h = 0; h < kRows; ++h) m[h] = -INFINITY, l[h] = 0.0f;
+  for (int hh = 0; hh < NH; ++hh) {
 #pragma unroll
-  for (int mt = 0; mt < HD / 16; ++mt)
+    for (int h = 0; h < kRows; ++h) m_all[hh][h] = -INFINITY, l_all[hh][h] = 0.0f;
 #pragma unroll
-    for (int h = 0; h < kRows; ++h)
+    for (int mt = 0; mt < HD / 16; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][h][e] = 0.0f;
+      for (int h = 0; h < kRows; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_all[hh][mt][h][e] = 0.0f;
+  }
 
   if constexpr (kQuant) fetch_query();
 #pragma unroll
@@ -431,16 +523,16 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
     __syncwarp();
     const unsigned char* st = ring + (c % C::kStages) * C::kStageBytes;
     const uint32_t valid = *reinterpret_cast<const uint32_t*>(st + C::kMaskOff);
-    const uint16_t* kss = reinterpret_cast<const uint16_t*>(st + C::kKSOff);
-    const uint16_t* vss = reinterpret_cast<const uint16_t*>(st + C::kVSOff);
+    const uint16_t* kss_tile = reinterpret_cast<const uint16_t*>(st + C::kKSOff);
+    const uint16_t* vss_tile = reinterpret_cast<const uint16_t*>(st + C::kVSOff);
     // bf16 queries over an 8-bit cache: P V in fp16 where every value scale of the tile is below kScaleMax
     // (fp16 bits, sign cleared), tested two at a time: a half at or above it sets its top bit when added to
     // 0x8000 - kScaleMax. Rows past the end hold zero scales.
     bool pv16 = false;
     if constexpr (kGuarded) {
       constexpr uint32_t kScaleMax = std::is_same_v<S, int8_t> ? 0x6000u : 0x5800u;  // 2^9, 2^7
-      constexpr int kWords = kTile * C::kNB / 2;
-      const uint32_t* sw = reinterpret_cast<const uint32_t*>(vss);
+      constexpr int kWords = kTile * C::kScaleBytes / 4;
+      const uint32_t* sw = reinterpret_cast<const uint32_t*>(vss_tile);
       uint32_t over = 0;
 #pragma unroll
       for (int j = 0; j < (kWords + 31) / 32; ++j)
@@ -448,247 +540,260 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
       pv16 = __all_sync(0xffffffffu, over == 0);
     }
 
-    // ---- Scores s[nt][e] = S[head gid + 8 h][token nt*8 + 2 tig + e % 2] (h = e / 2), in fp32.
-    // Unquantized keys: thread (gid, tig) reads 16-byte chunks 4 ic + tig of its key rows. 8-bit: bytes
-    // [32 blk + 8 tig, +8) of the rows for every block; the block's two k-steps give q . raw_block, which is
-    // scaled by the key's block scale in fp32.
-    float s[2][4];
-    if constexpr (kRows2) {
-      // 16 query rows: S = Q K^T with the keys as the n-tiles (tokens nt*8 + gid read, nt*8 + 2 tig + {0,1} held).
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int row = nt * 8 + gid;
-        const unsigned char* krow = st + C::kKOff + row * C::kKStride;
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int hh = 0; hh < NH; ++hh) {  // each kv head of the warp: its columns of the rows, its scales, its state
+      auto& qa = qa_all[hh];
+      auto& qs = qs_all[hh];
+      auto& m = m_all[hh];
+      auto& l = l_all[hh];
+      auto& o = o_all[hh];
+      const unsigned char* sth = st + hh * C::kRowBytes;
+      const uint16_t* kss = kss_tile + hh * C::kNB;  // row t's block scales at t * kSR
+      const uint16_t* vss = vss_tile + hh * C::kNB;
+      constexpr int kSR = NH * C::kNB;
+      // ---- Scores s[nt][e] = S[head gid + 8 h][token nt*8 + 2 tig + e % 2] (h = e / 2), in fp32.
+      // Unquantized keys: thread (gid, tig) reads 16-byte chunks 4 ic + tig of its key rows. 8-bit: bytes
+      // [32 blk + 8 tig, +8) of the rows for every block; the block's two k-steps give q . raw_block, which is
+      // scaled by the key's block scale in fp32.
+      float s[2][4];
+      if constexpr (kRows2) {
+        // 16 query rows: S = Q K^T with the keys as the n-tiles (tokens nt*8 + gid read, nt*8 + 2 tig + {0,1} held).
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int row = nt * 8 + gid;
+          const unsigned char* krow = sth + C::kKOff + row * C::kKStride;
+          float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          if constexpr (kQuant) {
+            const int t0 = nt * 8 + 2 * tig;
+            uint16_t sc0[C::kNB], sc1[C::kNB];
+#pragma unroll
+            for (int blk = 0; blk < C::kNB; ++blk)
+              sc0[blk] = kss[t0 * kSR + blk], sc1[blk] = kss[(t0 + 1) * kSR + blk];
+#pragma unroll
+            for (int blk = 0; blk < C::kNB; ++blk) {
+              uint32_t h[4];
+              raw8_to_half<S>(*reinterpret_cast<const uint2*>(krow + 32 * blk + 8 * tig), h);
+              float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma16816<QT>(part, qa[2 * blk], h[0], h[1]);
+              mma16816<QT>(part, qa[2 * blk + 1], h[2], h[3]);
+              const float k0 = scale_to_float(sc0[blk]), k1 = scale_to_float(sc1[blk]);
+              acc[0] = fmaf(part[0], k0, acc[0]);
+              acc[1] = fmaf(part[1], k1, acc[1]);
+              acc[2] = fmaf(part[2], k0, acc[2]);
+              acc[3] = fmaf(part[3], k1, acc[3]);
+            }
+          } else {
+#pragma unroll
+            for (int ic = 0; ic < C::kNC / 4; ++ic) {
+              const int chunk = 4 * ic + tig;
+              const int phys = C::kSwizzle ? chunk ^ ((row & 1) << 2) : chunk;
+              const uint4 raw = *reinterpret_cast<const uint4*>(krow + phys * 16);
+              const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+              for (int i = 0; i < C::kKPC; ++i) mma16816<QT>(acc, qa[ic * C::kKPC + i], w[2 * i], w[2 * i + 1]);
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = acc[e];
+        }
+      } else {
+        // At most 8 query rows: S^T = K Q^T, the 16 tokens as the m rows (gid and gid + 8 read and held) and the
+        // heads as the n columns (2 tig, 2 tig + 1 held), so that no half of an mma is padding; an in-register
+        // transpose then gives the thread the layout above. The query fragments serve as B unchanged.
+        const unsigned char* k0 = sth + C::kKOff + gid * C::kKStride;
+        const unsigned char* k8 = k0 + 8 * C::kKStride;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // tokens gid (0, 1) and gid + 8 (2, 3) x heads 2 tig + {0, 1}
         if constexpr (kQuant) {
-          const int t0 = nt * 8 + 2 * tig;
-          uint16_t sc0[C::kNB], sc1[C::kNB];
+          uint16_t sc0[C::kNB], sc8[C::kNB];
 #pragma unroll
           for (int blk = 0; blk < C::kNB; ++blk)
-            sc0[blk] = kss[t0 * C::kNB + blk], sc1[blk] = kss[(t0 + 1) * C::kNB + blk];
+            sc0[blk] = kss[gid * kSR + blk], sc8[blk] = kss[(gid + 8) * kSR + blk];
 #pragma unroll
           for (int blk = 0; blk < C::kNB; ++blk) {
-            uint32_t h[4];
-            raw8_to_half<S>(*reinterpret_cast<const uint2*>(krow + 32 * blk + 8 * tig), h);
+            uint32_t h0[4], h8[4];
+            raw8_to_half<S>(*reinterpret_cast<const uint2*>(k0 + 32 * blk + 8 * tig), h0);
+            raw8_to_half<S>(*reinterpret_cast<const uint2*>(k8 + 32 * blk + 8 * tig), h8);
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma16816<QT>(part, qa[2 * blk], h[0], h[1]);
-            mma16816<QT>(part, qa[2 * blk + 1], h[2], h[3]);
-            const float k0 = scale_to_float(sc0[blk]), k1 = scale_to_float(sc1[blk]);
-            acc[0] = fmaf(part[0], k0, acc[0]);
-            acc[1] = fmaf(part[1], k1, acc[1]);
-            acc[2] = fmaf(part[2], k0, acc[2]);
-            acc[3] = fmaf(part[3], k1, acc[3]);
+            const uint32_t a0[4] = {h0[0], h8[0], h0[1], h8[1]}, a1[4] = {h0[2], h8[2], h0[3], h8[3]};
+            mma16816<QT>(part, a0, qa[2 * blk][0], qa[2 * blk][1]);
+            mma16816<QT>(part, a1, qa[2 * blk + 1][0], qa[2 * blk + 1][1]);
+            const float g0 = scale_to_float(sc0[blk]), g8 = scale_to_float(sc8[blk]);
+            acc[0] = fmaf(part[0], g0, acc[0]);
+            acc[1] = fmaf(part[1], g0, acc[1]);
+            acc[2] = fmaf(part[2], g8, acc[2]);
+            acc[3] = fmaf(part[3], g8, acc[3]);
           }
         } else {
 #pragma unroll
           for (int ic = 0; ic < C::kNC / 4; ++ic) {
             const int chunk = 4 * ic + tig;
-            const int phys = C::kSwizzle ? chunk ^ ((row & 1) << 2) : chunk;
-            const uint4 raw = *reinterpret_cast<const uint4*>(krow + phys * 16);
-            const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+            const int phys = C::kSwizzle ? chunk ^ ((gid & 1) << 2) : chunk;  // rows gid and gid + 8 alike
+            const uint4 r0 = *reinterpret_cast<const uint4*>(k0 + phys * 16);
+            const uint4 r8 = *reinterpret_cast<const uint4*>(k8 + phys * 16);
+            const uint32_t w0[4] = {r0.x, r0.y, r0.z, r0.w}, w8[4] = {r8.x, r8.y, r8.z, r8.w};
 #pragma unroll
-            for (int i = 0; i < C::kKPC; ++i) mma16816<QT>(acc, qa[ic * C::kKPC + i], w[2 * i], w[2 * i + 1]);
+            for (int i = 0; i < C::kKPC; ++i) {
+              const uint32_t a[4] = {w0[2 * i], w8[2 * i], w0[2 * i + 1], w8[2 * i + 1]};
+              mma16816<QT>(acc, a, qa[ic * C::kKPC + i][0], qa[ic * C::kKPC + i][1]);
+            }
           }
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = acc[e];
+        transpose8x8(acc[0], acc[1]);  // tokens 0..7
+        transpose8x8(acc[2], acc[3]);  // tokens 8..15
+        s[0][0] = acc[0], s[0][1] = acc[1], s[1][0] = acc[2], s[1][1] = acc[3];
+        s[0][2] = s[0][3] = s[1][2] = s[1][3] = 0.0f;  // no rows 8..15
       }
-    } else {
-      // At most 8 query rows: S^T = K Q^T, the 16 tokens as the m rows (gid and gid + 8 read and held) and the
-      // heads as the n columns (2 tig, 2 tig + 1 held), so that no half of an mma is padding; an in-register
-      // transpose then gives the thread the layout above. The query fragments serve as B unchanged.
-      const unsigned char* k0 = st + C::kKOff + gid * C::kKStride;
-      const unsigned char* k8 = k0 + 8 * C::kKStride;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // tokens gid (0, 1) and gid + 8 (2, 3) x heads 2 tig + {0, 1}
-      if constexpr (kQuant) {
-        uint16_t sc0[C::kNB], sc8[C::kNB];
-#pragma unroll
-        for (int blk = 0; blk < C::kNB; ++blk)
-          sc0[blk] = kss[gid * C::kNB + blk], sc8[blk] = kss[(gid + 8) * C::kNB + blk];
-#pragma unroll
-        for (int blk = 0; blk < C::kNB; ++blk) {
-          uint32_t h0[4], h8[4];
-          raw8_to_half<S>(*reinterpret_cast<const uint2*>(k0 + 32 * blk + 8 * tig), h0);
-          raw8_to_half<S>(*reinterpret_cast<const uint2*>(k8 + 32 * blk + 8 * tig), h8);
-          float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          const uint32_t a0[4] = {h0[0], h8[0], h0[1], h8[1]}, a1[4] = {h0[2], h8[2], h0[3], h8[3]};
-          mma16816<QT>(part, a0, qa[2 * blk][0], qa[2 * blk][1]);
-          mma16816<QT>(part, a1, qa[2 * blk + 1][0], qa[2 * blk + 1][1]);
-          const float g0 = scale_to_float(sc0[blk]), g8 = scale_to_float(sc8[blk]);
-          acc[0] = fmaf(part[0], g0, acc[0]);
-          acc[1] = fmaf(part[1], g0, acc[1]);
-          acc[2] = fmaf(part[2], g8, acc[2]);
-          acc[3] = fmaf(part[3], g8, acc[3]);
-        }
-      } else {
-#pragma unroll
-        for (int ic = 0; ic < C::kNC / 4; ++ic) {
-          const int chunk = 4 * ic + tig;
-          const int phys = C::kSwizzle ? chunk ^ ((gid & 1) << 2) : chunk;  // rows gid and gid + 8 alike
-          const uint4 r0 = *reinterpret_cast<const uint4*>(k0 + phys * 16);
-          const uint4 r8 = *reinterpret_cast<const uint4*>(k8 + phys * 16);
-          const uint32_t w0[4] = {r0.x, r0.y, r0.z, r0.w}, w8[4] = {r8.x, r8.y, r8.z, r8.w};
-#pragma unroll
-          for (int i = 0; i < C::kKPC; ++i) {
-            const uint32_t a[4] = {w0[2 * i], w8[2 * i], w0[2 * i + 1], w8[2 * i + 1]};
-            mma16816<QT>(acc, a, qa[ic * C::kKPC + i][0], qa[ic * C::kKPC + i][1]);
-          }
-        }
-      }
-      transpose8x8(acc[0], acc[1]);  // tokens 0..7
-      transpose8x8(acc[2], acc[3]);  // tokens 8..15
-      s[0][0] = acc[0], s[0][1] = acc[1], s[1][0] = acc[2], s[1][1] = acc[3];
-      s[0][2] = s[0][3] = s[1][2] = s[1][3] = 0.0f;  // no rows 8..15
-    }
-    // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2.
-    // The soft-cap test is taken once per tile, not per score, so the four scores of a row stay one block.
-    float x[kRows][2][2];
-#pragma unroll
-    for (int h = 0; h < kRows; ++h)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) x[h][nt][e] = s[nt][2 * h + e] * qs[h];
-    if constexpr (COLS > 1) {
-      // The scores over all columns: every warp adds the COLS partials (each with its own query scale: for 8-bit
-      // caches each warp scales its columns of the query by its own power of two) in the same order, so all of
-      // them hold the same scores, softmax state and P. Two buffers by tile parity: a warp writes this one again
-      // only after the next tile's barrier, which every warp reaches after its reads here.
-      float4* xch = reinterpret_cast<float4*>(smem + C::kXchOff) + (c & 1) * (COLS * 32 * kRows);
-#pragma unroll
-      for (int h = 0; h < kRows; ++h)
-        xch[(warp * 32 + lane) * kRows + h] = make_float4(x[h][0][0], x[h][0][1], x[h][1][0], x[h][1][1]);
-      __syncthreads();
-#pragma unroll
-      for (int h = 0; h < kRows; ++h) {
-        float4 sum = xch[lane * kRows + h];
-#pragma unroll
-        for (int w = 1; w < COLS; ++w) {
-          const float4 a = xch[(w * 32 + lane) * kRows + h];
-          sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
-        }
-        x[h][0][0] = sum.x, x[h][0][1] = sum.y, x[h][1][0] = sum.z, x[h][1][1] = sum.w;
-      }
-    }
-    if (softcap) {
+      // ---- online softmax; thread holds rows gid (e = 0, 1) and gid + 8 (e = 2, 3), tokens nt*8 + 2 tig + e%2.
+      // The soft-cap test is taken once per tile, not per score, so the four scores of a row stay one block.
+      float x[kRows][2][2];
 #pragma unroll
       for (int h = 0; h < kRows; ++h)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) x[h][nt][e] = p.logit_softcap * tanhf(x[h][nt][e] / p.logit_softcap) * kLog2e;
-    }
-    if (valid != 0xFFFFu) {  // a tile with rows past the end or outside the cache (all but a few are full)
+          for (int e = 0; e < 2; ++e) x[h][nt][e] = s[nt][2 * h + e] * qs[h];
+      if constexpr (COLS > 1) {
+        // The scores over all columns: every warp adds the COLS partials (each with its own query scale: for 8-bit
+        // caches each warp scales its columns of the query by its own power of two) in the same order, so all of
+        // them hold the same scores, softmax state and P. Two buffers by tile parity: a warp writes this one again
+        // only after the next tile's barrier, which every warp reaches after its reads here.
+        float4* xch = reinterpret_cast<float4*>(smem + C::kXchOff) + (c & 1) * (COLS * 32 * kRows);
 #pragma unroll
-      for (int h = 0; h < kRows; ++h)
+        for (int h = 0; h < kRows; ++h)
+          xch[(warp * 32 + lane) * kRows + h] = make_float4(x[h][0][0], x[h][0][1], x[h][1][0], x[h][1][1]);
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < kRows; ++h) {
+          float4 sum = xch[lane * kRows + h];
+#pragma unroll
+          for (int w = 1; w < COLS; ++w) {
+            const float4 a = xch[(w * 32 + lane) * kRows + h];
+            sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
+          }
+          x[h][0][0] = sum.x, x[h][0][1] = sum.y, x[h][1][0] = sum.z, x[h][1][1] = sum.w;
+        }
+      }
+      if (softcap) {
+#pragma unroll
+        for (int h = 0; h < kRows; ++h)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) x[h][nt][e] = p.logit_softcap * tanhf(x[h][nt][e] / p.logit_softcap) * kLog2e;
+      }
+      if (valid != 0xFFFFu) {  // a tile with rows past the end or outside the cache (all but a few are full)
+#pragma unroll
+        for (int h = 0; h < kRows; ++h)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) x[h][nt][e] = (valid >> (nt * 8 + 2 * tig + e)) & 1 ? x[h][nt][e] : -INFINITY;
+      }
+      float mn[kRows], corr[kRows];
+      bool grew = false;
+#pragma unroll
+      for (int h = 0; h < kRows; ++h) {
+        float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) x[h][nt][e] = (valid >> (nt * 8 + 2 * tig + e)) & 1 ? x[h][nt][e] : -INFINITY;
-    }
-    float mn[kRows], corr[kRows];
-    bool grew = false;
+          for (int e = 0; e < 2; ++e) mx = nanmax(mx, x[h][nt][e]);
+        mx = nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mn[h] = nanmax(m[h], mx);
+        corr[h] = mn[h] == -INFINITY ? 1.0f : fast_exp2(m[h] - mn[h]);
+        grew |= corr[h] != 1.0f;
+      }
+      // The running max settles early in a long sequence: rescale the accumulators only in the tiles that
+      // move it (skipping a multiply by exactly 1 changes nothing).
+      if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      float mx = -INFINITY;
+        for (int h = 0; h < kRows; ++h) {
+          // corr[h] belongs to head gid + 8 h; this thread's accumulators hold heads 8 h + 2 tig + {0, 1}.
+          const float c0 = __shfl_sync(0xffffffffu, corr[h], 8 * tig);
+          const float c1 = __shfl_sync(0xffffffffu, corr[h], 8 * tig + 4);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) mx = nanmax(mx, x[h][nt][e]);
-      mx = nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = nanmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mn[h] = nanmax(m[h], mx);
-      corr[h] = mn[h] == -INFINITY ? 1.0f : fast_exp2(m[h] - mn[h]);
-      grew |= corr[h] != 1.0f;
-    }
-    // The running max settles early in a long sequence: rescale the accumulators only in the tiles that
-    // move it (skipping a multiply by exactly 1 changes nothing).
-    if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-      for (int h = 0; h < kRows; ++h) {
-        // corr[h] belongs to head gid + 8 h; this thread's accumulators hold heads 8 h + 2 tig + {0, 1}.
-        const float c0 = __shfl_sync(0xffffffffu, corr[h], 8 * tig);
-        const float c1 = __shfl_sync(0xffffffffu, corr[h], 8 * tig + 4);
-#pragma unroll
-        for (int mt = 0; mt < HD / 16; ++mt) {
-          o[mt][h][0] *= c0, o[mt][h][1] *= c1;
-          o[mt][h][2] *= c0, o[mt][h][3] *= c1;
+          for (int mt = 0; mt < HD / 16; ++mt) {
+            o[mt][h][0] *= c0, o[mt][h][1] *= c1;
+            o[mt][h][2] *= c0, o[mt][h][3] *= c1;
+          }
         }
       }
-    }
-    float pr[kRows][2][2];  // P, times 2^kPExp
+      float pr[kRows][2][2];  // P, times 2^kPExp
 #pragma unroll
-    for (int h = 0; h < kRows; ++h) {
-      const float mp = mn[h] - kPExp;
-      float sum = 0.0f;
+      for (int h = 0; h < kRows; ++h) {
+        const float mp = mn[h] - kPExp;
+        float sum = 0.0f;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pr[h][nt][e] = mn[h] == -INFINITY ? 0.0f : fast_exp2(x[h][nt][e] - mp);
-          sum += pr[h][nt][e];
-        }
-      m[h] = mn[h];
-      l[h] = l[h] * corr[h] + sum;
-    }
+          for (int e = 0; e < 2; ++e) {
+            pr[h][nt][e] = mn[h] == -INFINITY ? 0.0f : fast_exp2(x[h][nt][e] - mp);
+            sum += pr[h][nt][e];
+          }
+        m[h] = mn[h];
+        l[h] = l[h] * corr[h] + sum;
+      }
 
-    // ---- O^T += V^T P^T, the value columns as the m rows and the heads as the n columns (so that no half of an
-    // mma is padding): thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9;
-    // elements 2 jj and 2 jj + 1 of the word are rows gid and gid + 8 of m-tile r * EPW / 2 + jj. In fp16 or T.
-    const unsigned char* vrow = st + C::kVOff + 2 * tig * C::kVStride;
-    auto pv = [&](auto half) {
-      using M = std::conditional_t<decltype(half)::value, __half, T>;
-      uint32_t pa[4];
+      // ---- O^T += V^T P^T, the value columns as the m rows and the heads as the n columns (so that no half of an
+      // mma is padding): thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9;
+      // elements 2 jj and 2 jj + 1 of the word are rows gid and gid + 8 of m-tile r * EPW / 2 + jj. In fp16 or T.
+      const unsigned char* vrow = sth + C::kVOff + 2 * tig * C::kVStride;
+      auto pv = [&](auto half) {
+        using M = std::conditional_t<decltype(half)::value, __half, T>;
+        uint32_t pa[4];
 #pragma unroll
-      for (int h = 0; h < kRows; ++h) {
-        pa[h] = pack2<M>(pr[h][0][0], pr[h][0][1]);      // P^T as B: tokens 2 tig, 2 tig + 1 of head gid + 8 h
-        pa[2 + h] = pack2<M>(pr[h][1][0], pr[h][1][1]);  // and tokens 2 tig + 8, 2 tig + 9
-      }
-#pragma unroll
-      for (int r = 0; r < C::kRW; ++r) {
-        const int wo = (gid + 8 * r) * 8;
-        const uint2 wa = *reinterpret_cast<const uint2*>(vrow + wo);
-        const uint2 wb = *reinterpret_cast<const uint2*>(vrow + C::kVStride + wo);
-        const uint2 wc = *reinterpret_cast<const uint2*>(vrow + 8 * C::kVStride + wo);
-        const uint2 wd = *reinterpret_cast<const uint2*>(vrow + 9 * C::kVStride + wo);
-        uint16_t sa = 0, sb = 0, sc = 0, sd = 0;
-        if constexpr (kQuant) {
-          const int blk = wo / kBlock;  // bytes == elements for 8-bit rows
-          const int t0 = 2 * tig;
-          sa = vss[t0 * C::kNB + blk], sb = vss[(t0 + 1) * C::kNB + blk];
-          sc = vss[(t0 + 8) * C::kNB + blk], sd = vss[(t0 + 9) * C::kNB + blk];
+        for (int h = 0; h < kRows; ++h) {
+          pa[h] = pack2<M>(pr[h][0][0], pr[h][0][1]);      // P^T as B: tokens 2 tig, 2 tig + 1 of head gid + 8 h
+          pa[2 + h] = pack2<M>(pr[h][1][0], pr[h][1][1]);  // and tokens 2 tig + 8, 2 tig + 9
         }
-        uint32_t b0[C::kEPW], b1[C::kEPW];
-        value_pairs<M, S>(wa, wb, sa, sb, b0);
-        value_pairs<M, S>(wc, wd, sc, sd, b1);
 #pragma unroll
-        for (int jj = 0; jj < C::kEPW / 2; ++jj) {
-          const uint32_t a[4] = {b0[2 * jj], b0[2 * jj + 1], b1[2 * jj], b1[2 * jj + 1]};
+        for (int r = 0; r < C::kRW; ++r) {
+          const int wo = (gid + 8 * r) * 8;
+          const uint2 wa = *reinterpret_cast<const uint2*>(vrow + wo);
+          const uint2 wb = *reinterpret_cast<const uint2*>(vrow + C::kVStride + wo);
+          const uint2 wc = *reinterpret_cast<const uint2*>(vrow + 8 * C::kVStride + wo);
+          const uint2 wd = *reinterpret_cast<const uint2*>(vrow + 9 * C::kVStride + wo);
+          uint16_t sa = 0, sb = 0, sc = 0, sd = 0;
+          if constexpr (kQuant) {
+            const int blk = wo / kBlock;  // bytes == elements for 8-bit rows
+            const int t0 = 2 * tig;
+            sa = vss[t0 * kSR + blk], sb = vss[(t0 + 1) * kSR + blk];
+            sc = vss[(t0 + 8) * kSR + blk], sd = vss[(t0 + 9) * kSR + blk];
+          }
+          uint32_t b0[C::kEPW], b1[C::kEPW];
+          value_pairs<M, S>(wa, wb, sa, sb, b0);
+          value_pairs<M, S>(wc, wd, sc, sd, b1);
 #pragma unroll
-          for (int h = 0; h < kRows; ++h) mma16816<M>(o[r * C::kEPW / 2 + jj][h], a, pa[h], pa[2 + h]);
+          for (int jj = 0; jj < C::kEPW / 2; ++jj) {
+            const uint32_t a[4] = {b0[2 * jj], b0[2 * jj + 1], b1[2 * jj], b1[2 * jj + 1]};
+#pragma unroll
+            for (int h = 0; h < kRows; ++h) mma16816<M>(o[r * C::kEPW / 2 + jj][h], a, pa[h], pa[2 + h]);
+          }
         }
-      }
-    };
-    if constexpr (kGuarded) {
-      if (pv16) {
-        pv(std::true_type{});
+      };
+      if constexpr (kGuarded) {
+        if (pv16) {
+          pv(std::true_type{});
+        } else {
+          pv(std::false_type{});
+        }
       } else {
-        pv(std::false_type{});
+        pv(std::bool_constant<kP16>{});
       }
-    } else {
-      pv(std::bool_constant<kP16>{});
-    }
+    }  // kv heads of the warp
     __syncwarp();  // the stage is refilled by the next iteration
   }
   cp_async_wait<0>();
 
   // Value columns (gid + 8 r) * EPW + [0, EPW) of accumulator column e of row block h: row gid (gid + 8) of m-tile
   // r * EPW / 2 + jj is value column (gid + 8 r) * EPW + 2 jj (+ 1).
-  auto value_columns = [&](int r, int h, int e, float (&v)[C::kEPW]) {
+  // (Of the warp's kv head hh.)
+  auto value_columns = [&](int hh, int r, int h, int e, float (&v)[C::kEPW]) {
 #pragma unroll
     for (int jj = 0; jj < C::kEPW / 2; ++jj) {
-      v[2 * jj] = o[r * C::kEPW / 2 + jj][h][e];
-      v[2 * jj + 1] = o[r * C::kEPW / 2 + jj][h][2 + e];
+      v[2 * jj] = o_all[hh][r * C::kEPW / 2 + jj][h][e];
+      v[2 * jj + 1] = o_all[hh][r * C::kEPW / 2 + jj][h][2 + e];
     }
   };
   constexpr bool kWarpWrites = HD == 128 && COLS == 1;
@@ -709,13 +814,13 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
       const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
 #pragma unroll
       for (int h = 0; h < kRows; ++h) {
-        float lsum = l[h];
+        float lsum = l_all[0][h];
         lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
         lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
         const int g = gid + 8 * h;  // the head of this thread's softmax row
         if (p.num_splits > 1 && tig == 0 && g < G && col0 == 0) {
           const int64_t row = (head0 + g) * p.num_splits + split;
-          ws.ml[row * 2] = m[h];
+          ws.ml[row * 2] = m_all[0][h];
           ws.ml[row * 2 + 1] = lsum;
         }
 #pragma unroll
@@ -726,7 +831,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
 #pragma unroll
           for (int r = 0; r < C::kRW; ++r) {
             float v[C::kEPW];
-            value_columns(r, h, e, v);
+            value_columns(0, r, h, e, v);
             const int d0 = col0 + (gid + 8 * r) * C::kEPW;
             if (p.num_splits == 1) {
               T* out = static_cast<T*>(p.out) + b * p.o_stride_batch + (kvh * G + head) * p.o_stride_head + d0;
@@ -749,59 +854,64 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
   // (layout of decode.cuh, parts = num_splits), or with a single split the output itself, normalized as the
   // merge would (no merge kernel then: on an H200 it took 10.8 of 89 us at batch 64, 32/8 heads, 1k tokens).
   __syncthreads();
-  // [warps][GMAX][HD], then [warps][GMAX][2], for the warps this CTA runs: a CTA of fewer warps than kWarps
-  // (one kv head per warp) has the shared memory of as many (kSmem / kWarps per warp). At head_dim 128 only CTAs of
-  // one kv head come here, with kWarps warps.
+  // [slots][GMAX][HD], then [slots][GMAX][2], a slot per warp and kv head of the warp (warp * NH + hh), for the warps
+  // this CTA runs: a CTA of fewer warps than kWarps (one kv head per warp) has the shared memory of as many (kSmem /
+  // kWarps per warp). At head_dim 128 only CTAs of one kv head come here, with kWarps warps.
   const int cta_warps = kWarpWrites ? C::kWarps : blockDim.x / 32;
   float* red_o = reinterpret_cast<float*>(smem);
-  float* red_ml = red_o + cta_warps * GMAX * HD;
+  float* red_ml = red_o + cta_warps * NH * GMAX * HD;
 #pragma unroll
-  for (int h = 0; h < kRows; ++h) {
-    float lsum = l[h];
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
-    const int g = gid + 8 * h;
-    if (tig == 0) {
-      red_ml[(warp * GMAX + g) * 2] = m[h];
-      red_ml[(warp * GMAX + g) * 2 + 1] = lsum;
-    }
+  for (int hh = 0; hh < NH; ++hh) {
+    const int slot = warp * NH + hh;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float* dst = red_o + (warp * GMAX + 8 * h + 2 * tig + e) * HD;
+    for (int h = 0; h < kRows; ++h) {
+      float lsum = l_all[hh][h];
+      lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+      lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+      const int g = gid + 8 * h;
+      if (tig == 0) {
+        red_ml[(slot * GMAX + g) * 2] = m_all[hh][h];
+        red_ml[(slot * GMAX + g) * 2 + 1] = lsum;
+      }
 #pragma unroll
-      for (int r = 0; r < C::kRW; ++r) {
-        float v[C::kEPW];
-        value_columns(r, h, e, v);
-        float* d0 = dst + (gid + 8 * r) * C::kEPW;
+      for (int e = 0; e < 2; ++e) {
+        float* dst = red_o + (slot * GMAX + 8 * h + 2 * tig + e) * HD;
 #pragma unroll
-        for (int j = 0; j < C::kEPW; j += 4)
-          *reinterpret_cast<float4*>(d0 + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+        for (int r = 0; r < C::kRW; ++r) {
+          float v[C::kEPW];
+          value_columns(hh, r, h, e, v);
+          float* d0 = dst + (gid + 8 * r) * C::kEPW;
+#pragma unroll
+          for (int j = 0; j < C::kEPW; j += 4)
+            *reinterpret_cast<float4*>(d0 + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+        }
       }
     }
   }
   __syncthreads();
   const detail::Workspace ws = detail::workspace_of(p, p.num_splits);
-  // Each kv head of the CTA from the partials of its kW warps. Four columns per thread and step: 16-byte
-  // shared-memory reads and global stores.
+  // Each kv head of the CTA from the partials of its kW warps (slots w * NH + hh for warps of NH kv heads, hh * kW + w
+  // otherwise). Four columns per thread and step: 16-byte shared-memory reads and global stores.
   auto combine = [&](auto warps_per_head) {
     constexpr int kW = decltype(warps_per_head)::value;
-    const int heads = kWarpWrites ? 1 : blockDim.x / (32 * kW);
+    const int heads = kWarpWrites ? 1 : NH > 1 ? NH : blockDim.x / (32 * kW);
     for (int hh = 0; hh < heads; ++hh) {
       const int head = kWarpWrites ? kvh : blockIdx.y * heads + hh;
+      const auto slot = [&](int w) { return NH > 1 ? w * NH + hh : hh * kW + w; };
       for (int i = threadIdx.x; i < G * HD / 4; i += blockDim.x) {
         const int g = 4 * i / HD, d = 4 * i % HD;
         float mx = -INFINITY;
 #pragma unroll
-        for (int w = hh * kW; w < (hh + 1) * kW; ++w) mx = nanmax(mx, red_ml[(w * GMAX + g) * 2]);
+        for (int w = 0; w < kW; ++w) mx = nanmax(mx, red_ml[(slot(w) * GMAX + g) * 2]);
         float lsum = 0.0f;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (mx != -INFINITY) {
 #pragma unroll
-          for (int w = hh * kW; w < (hh + 1) * kW; ++w) {
-            const float mw = red_ml[(w * GMAX + g) * 2];
+          for (int w = 0; w < kW; ++w) {
+            const float mw = red_ml[(slot(w) * GMAX + g) * 2];
             const float sc = mw == -INFINITY ? 0.0f : fast_exp2(mw - mx);
-            lsum += red_ml[(w * GMAX + g) * 2 + 1] * sc;
-            const float4 v = *reinterpret_cast<const float4*>(red_o + (w * GMAX + g) * HD + d);
+            lsum += red_ml[(slot(w) * GMAX + g) * 2 + 1] * sc;
+            const float4 v = *reinterpret_cast<const float4*>(red_o + (slot(w) * GMAX + g) * HD + d);
             acc.x += v.x * sc, acc.y += v.y * sc, acc.z += v.z * sc, acc.w += v.w * sc;
           }
         }
@@ -831,10 +941,10 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS>::kWarps * 32,
 }
 
 // Calls f(kernel, smem_bytes, warps) with one instance of the split kernel, its shared-memory opt-in done.
-template <typename S, typename T, int HD, int GMAX, int COLS, typename F>
+template <typename S, typename T, int HD, int GMAX, int COLS, int NH = 1, typename F>
 cudaError_t with_split_kernel(F&& f) {
-  using C = Cfg<S, HD, GMAX, COLS>;
-  constexpr auto kernel = split_kernel<S, T, HD, GMAX, COLS>;
+  using C = Cfg<S, HD, GMAX, COLS, NH>;
+  constexpr auto kernel = split_kernel<S, T, HD, GMAX, COLS, NH>;
   const cudaError_t e = opt_in_smem<kernel>(C::kSmem);
   if (e != cudaSuccess) return e;
   return f(kernel, C::kSmem, C::kWarps);
@@ -869,6 +979,13 @@ cudaError_t decode_tc_dispatch(const DecodeParams& p, F&& f) {
             if (HD == 256 && p.column_warps == 4)  // column warps: 64 columns each
               return decode_tc::with_split_kernel<S, T, 64, GMAX, 4>(f);
             if (p.column_warps != 1) return cudaErrorInvalidValue;
+            if (p.row_heads != 1) {  // kv heads per warp: 8-bit rows at head_dim 64, up to 8 query heads per kv head
+              if constexpr (StorageTraits<S>::kQuantized && HD == 64 && GMAX == 8) {
+                if (group <= 8 && p.row_heads == 2) return decode_tc::with_split_kernel<S, T, HD, GMAX, 1, 2>(f);
+                if (group <= 8 && p.row_heads == 3) return decode_tc::with_split_kernel<S, T, HD, GMAX, 1, 3>(f);
+              }
+              return cudaErrorInvalidValue;
+            }
             return decode_tc::with_split_kernel<S, T, HD, GMAX, 1>(f);
           });
         });
@@ -887,15 +1004,16 @@ struct TcShape {
 };
 inline TcShape decode_tc_shape(const DecodeParams& p, int warps = 0) {
   // warps | ctas_per_sm << 8, 0 until known; by device, format, dtype, head_dim, group bucket, warps (own, 2-4),
-  // column warps or not
-  static std::atomic<int> cached[64][3][2][3][2][4][2];
+  // column warps (0, 1) or kv heads per warp (2: two, 3: three)
+  static std::atomic<int> cached[64][3][2][3][2][4][4];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return TcShape{};
   const int hd = p.head_dim == 64 ? 0 : (p.head_dim == 128 ? 1 : 2);
   const int g = p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > 8 ? 1 : 0;
   const int wi = warps >= 2 && warps <= 4 ? warps - 1 : 0;
   const bool cacheable = dev >= 0 && dev < 64;
-  const int f = int(p.format) % 3, t = int(p.dtype) % 2, cw = p.column_warps > 1 ? 1 : 0;
+  const int f = int(p.format) % 3, t = int(p.dtype) % 2;
+  const int cw = p.column_warps > 1 ? 1 : (p.row_heads == 2 || p.row_heads == 3 ? p.row_heads : 0);
   if (cacheable) {
     const int known = cached[dev][f][t][hd][g][wi][cw].load(std::memory_order_relaxed);
     if (known != 0) return TcShape{known & 0xff, known >> 8};
@@ -928,12 +1046,13 @@ inline cudaError_t decode_attention_tc(const DecodeParams& p, cudaStream_t strea
   if (p.batch == 0) return cudaSuccess;
   if (p.batch > 65535 || p.num_kv_heads > 65535) return cudaErrorInvalidConfiguration;
   return decode_tc_dispatch(p, [&](auto kernel, int smem, int warps) {
-    const int hpc = p.heads_per_cta;
-    if (hpc < 1 || hpc > warps || p.num_kv_heads % hpc != 0 || (hpc > 1 && p.column_warps > 1))
+    const int hpc = p.heads_per_cta, rh = p.row_heads;
+    if (hpc < 1 || hpc > warps || p.num_kv_heads % hpc != 0 || (hpc > 1 && p.column_warps > 1) || rh < 1 ||
+        p.num_kv_heads % rh != 0 || (rh > 1 && hpc > 1))
       return cudaErrorInvalidValue;
-    // One kv head per warp: a CTA of hpc warps, and the shared memory of as many.
+    // One kv head per warp: a CTA of hpc warps, and the shared memory of as many. rh kv heads per warp: rh per CTA.
     const int cta_warps = hpc > 1 ? hpc : warps;
-    const DependentLaunch split(dim3(p.num_splits, p.num_kv_heads / hpc, p.batch), dim3(cta_warps * 32), stream,
+    const DependentLaunch split(dim3(p.num_splits, p.num_kv_heads / (hpc * rh), p.batch), dim3(cta_warps * 32), stream,
                                 p.dependent_split, decode_tc_smem(smem, warps, cta_warps));
     cudaError_t e = split(kernel, p, FastDivmod(p.page_size));
     if (e != cudaSuccess || p.num_splits == 1) return e;  // one split wrote the output itself
