@@ -87,9 +87,10 @@ static PyMethodDef kMethods[] = {
      "kernel before it) or 'off'; returns the previous."},
 #ifdef KVQ_HAS_EXTEND
     {"set_extend_shape", set_extend_shape, METH_O,
-     "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' or "
-     "'tall' (8-bit caches where the device's shared memory holds it, else wide) or 'small' (deep's warps halved; "
-     "deep and small are wide at head_dim 256); returns the previous."},
+     "Choose the CTA shape of the CUDA extend kernel: 'auto' (by estimated time), 'wide', 'deep' (at head_dim 256 "
+     "where the device's shared memory holds it, else wide), 'tall' (8-bit caches up to head_dim 128 where the "
+     "device's shared memory holds it, else wide) or 'small' (deep's warps halved; wide at head_dim 256); returns "
+     "the previous."},
     {"set_extend_splits", set_extend_splits, METH_O,
      "Split the keys of each CUDA extend row block over CTAs and merge: 'auto' (by estimated time) or '1' to '4'; "
      "returns the previous."},
