@@ -4,7 +4,8 @@
 // 16-token tiles with its own softmax state; the warps are combined in shared memory and a merge kernel
 // combines the splits), but the dot products run on tensor cores. For long 8-bit splits a CTA may own one kv
 // head per warp instead, so that its warps read the same tokens' scale lines (heads_per_cta; decode.cu). For short
-// splits at head_dim 256 its four warps may divide each tile's columns instead (column warps, Cfg's COLS).
+// splits at head_dim 256 its four warps may divide each tile's columns instead (column warps, Cfg's COLS). Over
+// 8-bit caches at head_dim 64 each warp may own two or three adjacent kv heads, read as one slice (Cfg's NH).
 // Per tile and warp, with the operands placed so that no half of an mma is spent on padding rows:
 //   scores: S^T[16 tokens x 8] = K Q^T, the tokens as the m rows and up to 8 heads as the n columns, then
 //           transposed in registers (movmatrix) into rows of heads for the softmax; groups of 9 to 16 heads
