@@ -108,9 +108,8 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   p.heads_per_cta = 1;
   if (p.row_heads > 1) {  // kv heads per warp: the CTAs of (sequence, group of row_heads kv heads), as per CTA below
     const int groups = p.num_kv_heads / p.row_heads;
-    const int c = int64_t{p.batch} * groups > int64_t{sms} * std::min(shape.ctas_per_sm, 2)
-                      ? shape.ctas_per_sm
-                      : std::min(shape.ctas_per_sm, 2);
+    int c = std::min(shape.ctas_per_sm, 2);
+    if (int64_t{p.batch} * groups > int64_t{sms} * c) c = shape.ctas_per_sm;
     p.num_splits = splits_for(groups, w, c);
     return;
   }

@@ -375,12 +375,17 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
     const int t0 = first + c * step;
     int idx0, off0;
     pdm.divmod(t0, idx0, off0);
-    // Piece `piece` of row i * kRPI + r_lane, from ksrc / vsrc (16 bytes, or zeros when !ok).
-    auto copy = [&](int i, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
-      const int r = i * kRPI + r_lane;
-      const int kphys = C::kSwizzle ? piece ^ ((r & 1) << 2) : piece;
+    // Piece pc of row r, from ksrc / vsrc (16 bytes, or zeros when !ok).
+    auto copy = [&](int r, int pc, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
+      const int kphys = C::kSwizzle ? pc ^ ((r & 1) << 2) : pc;
       cp_async16<C::kPrefetch>(st_addr + C::kKOff + r * C::kKStride + kphys * 16, ksrc, ok ? 16 : 0);
-      cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + piece * 16, vsrc, ok ? 16 : 0);
+      cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + pc * 16, vsrc, ok ? 16 : 0);
+    };
+    // Row r's page (-1 past the end or outside the cache) and offset in it, for tiles that straddle pages.
+    auto locate = [&](int r, int64_t& page, int& off) {
+      int idx;
+      pdm.divmod(t0 + r, idx, off);
+      page = t0 + r < end ? cache.page_at(b, idx) : -1;
     };
     uint32_t valid;  // bit r: row r of the tile is a visible token
     if constexpr (NH > 1) {
@@ -388,10 +393,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       // 4-byte words in order (keys, then values), so that a step of a tile inside one page covers whole lines.
       constexpr int kPieceSteps = kTile * C::kNC / 32, kSW = C::kScaleBytes / 4;  // scale words per row
       static_assert(kTile * C::kNC % 32 == 0, "decode_tc: a tile's slices are whole steps of the warp");
-      auto copy_piece = [&](int r, int pc, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
-        cp_async16<C::kPrefetch>(st_addr + C::kKOff + r * C::kKStride + pc * 16, ksrc, ok ? 16 : 0);
-        cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + pc * 16, vsrc, ok ? 16 : 0);
-      };
       // Scale word j of the tile (row r, word x of its slice) from the scales of the warp's first head of `slot`.
       auto copy_scale = [&](int r, int x, bool of_k, int64_t slot, bool ok) {
         const uint16_t* src = (of_k ? p.k_scale : p.v_scale) + (slot * p.num_kv_heads + kvh) * C::kNB + 2 * x;
@@ -407,7 +408,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
         for (int i = 0; i < kPieceSteps; ++i) {
           const int idx = 32 * i + lane, r = idx / C::kNC, pc = idx % C::kNC;
-          copy_piece(r, pc, kb + r * row_bytes + pc * 16, vb + r * row_bytes + pc * 16, r < n);
+          copy(r, pc, kb + r * row_bytes + pc * 16, vb + r * row_bytes + pc * 16, r < n);
         }
         valid = n >= kTile ? 0xFFFFu : (1u << n) - 1u;
         const int64_t slot0 = pg * p.page_size + off0;
@@ -419,11 +420,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
           copy_scale(r, q % kSW, of_k, slot0 + r, r < n);
         }
       } else {
-        auto locate = [&](int r, int64_t& page, int& off) {
-          int idx;
-          pdm.divmod(t0 + r, idx, off);
-          page = t0 + r < end ? cache.page_at(b, idx) : -1;
-        };
 #pragma unroll
         for (int i = 0; i < kPieceSteps; ++i) {
           const int idx = 32 * i + lane, r = idx / C::kNC, pc = idx % C::kNC;
@@ -433,7 +429,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
           const bool ok = page >= 0;
           const int64_t ko = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
           const int64_t vo = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
-          copy_piece(r, pc, kbase + ko + pc * 16, vbase + vo + pc * 16, ok);
+          copy(r, pc, kbase + ko + pc * 16, vbase + vo + pc * 16, ok);
         }
         int64_t page;
         int off;
@@ -458,18 +454,14 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       const unsigned char* kb = k_lane + pg * k_page_bytes + off0 * row_bytes;
       const unsigned char* vb = v_lane + pg * v_page_bytes + off0 * row_bytes;
 #pragma unroll
-      for (int i = 0; i < kIters; ++i) copy(i, kb + i * kRPI * row_bytes, vb + i * kRPI * row_bytes, i * kRPI + r_lane < n);
+      for (int i = 0; i < kIters; ++i)
+        copy(i * kRPI + r_lane, piece, kb + i * kRPI * row_bytes, vb + i * kRPI * row_bytes, i * kRPI + r_lane < n);
       valid = n >= kTile ? 0xFFFFu : (1u << n) - 1u;
       if constexpr (kQuant) {
         cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
                                        s_lane + pg * s_page + off0 * s_token, r0 < n ? C::kScaleBytes : 0);
       }
     } else {
-      auto locate = [&](int r, int64_t& page, int& off) {
-        int idx;
-        pdm.divmod(t0 + r, idx, off);
-        page = t0 + r < end ? cache.page_at(b, idx) : -1;
-      };
 #pragma unroll
       for (int i = 0; i < kIters; ++i) {
         int64_t page;
@@ -478,7 +470,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
         const bool ok = page >= 0;
         const int64_t ko = ok ? cache.k_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
         const int64_t vo = ok ? cache.v_offset(page, off, kvh) * static_cast<int64_t>(sizeof(S)) : 0;
-        copy(i, kbase + ko + col_bytes + piece * 16, vbase + vo + col_bytes + piece * 16, ok);
+        copy(i * kRPI + r_lane, piece, kbase + ko + col_bytes + piece * 16, vbase + vo + col_bytes + piece * 16, ok);
       }
       int64_t page;
       int off;
