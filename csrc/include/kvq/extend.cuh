@@ -876,7 +876,7 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     if (p.shape == 0 && deep < wide) return {2, s_deep};
   } else {
     using Deep = Deep256Cfg<S>;
-    if (p.shape != 1 && p.shape != 3 && p.shape != 4 && Smem<S, Deep>::kBytes <= size_t(p.max_smem)) {
+    if ((p.shape == 0 || p.shape == 2) && Smem<S, Deep>::kBytes <= size_t(p.max_smem)) {
       int s_deep = 1;
       const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kDeep256Cost<kQuant>, s_deep);
       // Not where wide's CTAs, twice as many for the same rows, would each have an SM to itself: 512 new tokens
