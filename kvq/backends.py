@@ -162,7 +162,8 @@ def pinned_cuda_kernel(setter: str, choice: str):
     kv heads of the tensor-core decode per CTA or per warp, at head_dim 256 per CTA of warps dividing the columns, or
     for 8-bit caches at head_dim 64 two or three per warp),
     ``"set_decode_pdl"`` ("auto", "merge", "off": the decode split kernel and merge, the merge alone, or neither,
-    launched as programmatic dependents where the device can), ``"set_extend_shape"`` ("auto", "wide", "deep",
+    launched as programmatic dependents where the device can), ``"set_decode_splits"`` ("auto", "1" to "256": ranges
+    of each sequence, combined by a merge), ``"set_extend_shape"`` ("auto", "wide", "deep",
     "tall", "small"), ``"set_extend_splits"`` ("auto", "1" to "4": key ranges per extend row block, merged after),
     ``"set_extend_pdl"`` ("auto", "merge", "off", as for decode) or ``"set_store_pdl"`` ("auto", "off": the store
     launched as a programmatic dependent of the kernel before it where the device can, or not). For tests and

@@ -5,6 +5,7 @@ Without the extension these tests skip, unless KVQ_REQUIRE_EXTENSION=1 (CI sets 
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,24 @@ def test_kernel_choices_round_trip_and_refuse_unknown_names(ext, setter, names):
     assert choose(names[0]) == first
     with pytest.raises(TypeError):
         choose(3)
+
+
+def test_decode_split_count_round_trips_and_refuses_out_of_range(ext):
+    """The split-count knob of the CUDA decode (tests pin it to reach every merge): 'auto' or a count from 1 to
+    256, the previous one returned; anything else refused with the valid range in the message, unchanged."""
+    first = ext.set_decode_splits("7")
+    try:
+        assert ext.set_decode_splits("auto") == "7"
+        assert ext.set_decode_splits("256") == "auto"
+        for bad in ("0", "257", "-1", "", "1.5", "bogus", "07", " 7"):
+            with pytest.raises(ValueError, match=f"'auto' or a count from '1' to '256', got '{re.escape(bad)}'"):
+                ext.set_decode_splits(bad)
+        assert ext.set_decode_splits("1") == "256"
+    finally:
+        ext.set_decode_splits(first)
+    assert ext.set_decode_splits("auto") == first
+    with pytest.raises(TypeError):
+        ext.set_decode_splits(3)
 
 
 def test_pinned_cuda_kernel_restores_the_previous_choice(ext):

@@ -1,5 +1,5 @@
 """Small store/dequantize/decode/extend calls for compute-sanitizer, with both CUDA decode kernels, each kv-head
-mapping of the tensor-core one, and all four extend CTA shapes.
+mapping of the tensor-core one, every decode merge, and all four extend CTA shapes.
 
     compute-sanitizer --tool memcheck python csrc/tools/memcheck_smoke.py      # out-of-range slots and pages
     compute-sanitizer --tool initcheck python csrc/tools/memcheck_smoke.py --full
@@ -96,5 +96,17 @@ for cache_dt in (torch.int8, torch.bfloat16):
     lens = torch.randint(0, 2049, (160,), dtype=torch.int32, device=dev)
     q = torch.randn(160, 32, 128, dtype=torch.bfloat16, device=dev)
     torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
+# Every merge, by pinned split counts (decode.cuh's launch_decode_merge): a warp per query head (2-16 parts; the
+# batch of 40 puts the 5-16 part lists there too at head_dim 256 on an H200), one pass, two passes, at every head_dim
+# and both query dtypes; sequences of 0-3000 tokens, so that some splits see none.
+for d, hq, hkv, batch in ((64, 9, 3, 5), (128, 8, 2, 3), (256, 8, 2, 40)):
+    kc, vc, ks, vs = filled_cache(torch.int8, hkv, d)
+    table = torch.randint(0, 40, (batch, 188), dtype=torch.int32, device=dev)
+    lens = torch.randint(0, 3001, (batch,), dtype=torch.int32, device=dev)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
+        for splits in ("2", "4", "5", "16", "17", "65", "256"):
+            with pinned("set_decode_splits", splits):
+                torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
 torch.cuda.synchronize()
 print(f"memcheck smoke ({'all slots written' if full else 'out-of-range indices'}): ok")

@@ -16,6 +16,7 @@ std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per
                                      // 3: column warps at head_dim 256, 4: kv heads per warp wherever it can
 std::atomic<int> g_decode_pdl{0};    // programmatic dependent launches where the device can: 0 split and merge,
                                      // 1 none, 2 the merge only
+std::atomic<int> g_decode_splits{0}; // 0: by the rules below, n: n splits (1..kvq_max_decode_splits)
 // GQA groups from this size up use the tensor-core kernel. On an H200 it beat the FMA kernel at every
 // group size measured, MHA included (bench/decode_kernels.py), so the FMA kernel serves only when asked.
 constexpr int kTensorCoreGroup = 1;
@@ -168,6 +169,7 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
 int kvq_set_decode_kernel(int choice) { return g_decode_kernel.exchange(choice); }
 int kvq_set_decode_heads(int choice) { return g_decode_heads.exchange(choice); }
 int kvq_set_decode_pdl(int choice) { return g_decode_pdl.exchange(choice); }
+int kvq_set_decode_splits(int splits) { return g_decode_splits.exchange(splits); }
 
 void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, head_dim] bf16/fp16
                            const at::Tensor& k_cache, // [num_pages, page_size, num_kv_heads, head_dim]
@@ -270,6 +272,7 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
     p.num_splits = kvq::decode_num_splits(p.batch, p.num_kv_heads, max_tokens,
                                           2 * warps * kvq::detail::kChunkTokens, 2 * sms);
   }
+  if (const int pinned = g_decode_splits.load(); pinned > 0) p.num_splits = pinned;
   at::Tensor ws = at::empty({kvq::decode_workspace_floats(p.batch, p.num_q_heads, p.head_dim, p.num_splits, warps)},
                             query.options().dtype(at::kFloat));
   p.workspace = ws.data_ptr<float>();

@@ -47,6 +47,10 @@ int kvq_set_decode_heads(int choice);
 // How the decode merge is launched: 0 = as a programmatic dependent launch where the device can (compute
 // capability 9.0 and newer), 1 = never (plain stream order). Returns the previous choice; for benchmarks and tests.
 int kvq_set_decode_pdl(int choice);
+// How many splits of the sequence the decode kernels combine in their merge: 0 = by rule (decode.cu), n = n, for
+// 1 <= n <= kvq_max_decode_splits. Returns the previous choice; for benchmarks and tests (every merge kernel).
+constexpr int kvq_max_decode_splits = 256;
+int kvq_set_decode_splits(int splits);
 // Which CTA shape serves extend_attention: 0 = by estimated time (extend.cuh's plan_shape), 1 = wide, 2 = deep,
 // 3 = tall (8-bit caches where the device's shared memory holds it, else wide).
 // Returns the previous choice; for benchmarks and tests.

@@ -48,6 +48,27 @@ static PyObject* set_decode_pdl(PyObject*, PyObject* arg) {
   return choose(arg, kPdlNames, kvq_set_decode_pdl, "decode programmatic launch");
 }
 
+// 'auto' or a split count, as a string like the other choices; returns the previous.
+static PyObject* set_decode_splits(PyObject*, PyObject* arg) {
+  const char* want = PyUnicode_AsUTF8(arg);
+  if (want == nullptr) return nullptr;
+  const std::string w(want);
+  int n = -1;
+  if (w == "auto") {
+    n = 0;
+  } else if (!w.empty() && w.size() <= 3 && w[0] != '0' && w.find_first_not_of("0123456789") == std::string::npos) {
+    n = std::stoi(w);
+    if (n < 1 || n > kvq_max_decode_splits) n = -1;
+  }
+  if (n < 0) {
+    PyErr_Format(PyExc_ValueError, "decode splits must be 'auto' or a count from '1' to '%d', got '%s'",
+                 kvq_max_decode_splits, want);
+    return nullptr;
+  }
+  const int prev = kvq_set_decode_splits(n);
+  return PyUnicode_FromString(prev == 0 ? "auto" : std::to_string(prev).c_str());
+}
+
 static PyObject* set_store_pdl(PyObject*, PyObject* arg) {
   static const char* const names[] = {"auto", "off"};
   return choose(arg, names, kvq_set_store_pdl, "store programmatic launch");
@@ -82,6 +103,9 @@ static PyMethodDef kMethods[] = {
      "Programmatic dependent launches of the decode kernels (on devices of compute capability 9.0 and newer): "
      "'auto' (the split kernel after the kernel before it, the merge after the split), 'merge' (the merge only) "
      "or 'off'; returns the previous."},
+    {"set_decode_splits", set_decode_splits, METH_O,
+     "Split each sequence of the CUDA decode into this many ranges, combined by the merge: 'auto' (by shapes) or "
+     "'1' to '256'; returns the previous."},
     {"set_store_pdl", set_store_pdl, METH_O,
      "Programmatic dependent launch of store_kv (on devices of compute capability 9.0 and newer): 'auto' (after the "
      "kernel before it) or 'off'; returns the previous."},

@@ -507,6 +507,59 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
   }
 }
 
+// One warp per (sequence, query head), each lane holding head_dim / 32 adjacent columns of every part, for lists
+// of at most P parts. The kernels above give a head 256 threads for each 64 columns, most of them idle with a few
+// parts, and meet at barriers (the two-pass kernel also takes two round trips); at batch 64 their grids run in
+// several waves. Here a lane loads all its parts at once and folds them as fold() does: one round trip, no barrier,
+// a grid of batch x num_q_heads warps. Which merge serves which list: launch_decode_merge.
+constexpr int kWarpMergeParts = 16;
+
+template <typename O, int HD, int P>
+__global__ void __launch_bounds__(kMergeThreads) decode_merge_warp_kernel(DecodeParams p, int parts) {
+  constexpr int kC = HD / 32;  // columns per lane
+  static_assert(kC % 2 == 0, "decode_merge_warp_kernel: a lane reads its columns as float2 or float4");
+  using Vec = std::conditional_t<kC % 4 == 0, float4, float2>;
+  constexpr int kV = kC * 4 / static_cast<int>(sizeof(Vec));  // vectors per lane and part
+  wait_for_primary();  // the partials are the split kernel's
+  const int64_t pair = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (pair >= static_cast<int64_t>(p.batch) * p.num_q_heads) return;
+  const int b = static_cast<int>(pair / p.num_q_heads), h = static_cast<int>(pair % p.num_q_heads);
+  const int c0 = (threadIdx.x % 32) * kC;
+  const auto [ml, acc] = head_partials(p, parts, b, h);
+  float m[P], l[P], o[P][kC];
+#pragma unroll
+  for (int u = 0; u < P; ++u) {
+    const bool ok = u < parts;
+    m[u] = ok ? ml[2 * u] : -INFINITY;
+    l[u] = ok ? ml[2 * u + 1] : 0.0f;
+    const Vec* src = reinterpret_cast<const Vec*>(acc + static_cast<int64_t>(u) * HD + c0);
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      const Vec x = ok ? src[v] : Vec{};
+      const float* xf = reinterpret_cast<const float*>(&x);
+#pragma unroll
+      for (int k = 0; k < kC / kV; ++k) o[u][v * (kC / kV) + k] = xf[k];
+    }
+  }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int u = 0; u < P; ++u) mx = nanmax(mx, m[u]);
+  float w[P], L = 0.0f;
+#pragma unroll
+  for (int u = 0; u < P; ++u) {
+    w[u] = part_weight(m[u], mx);
+    L += l[u] * w[u];
+  }
+  O* out = static_cast<O*>(p.out) + b * p.o_stride_batch + h * p.o_stride_head + c0;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    float s = 0.0f;
+#pragma unroll
+    for (int u = 0; u < P; ++u) s += o[u][c] * w[u];
+    out[c] = from_float<O>(normalized(s, L));
+  }
+}
+
 }  // namespace detail
 
 // Combine the `parts` partials of every query head into p.out, after a split kernel on the same stream.
@@ -515,26 +568,41 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
   return KVQ_DISPATCH_DTYPE(p.dtype, O, {
     const DependentLaunch launch(dim3(p.num_q_heads, p.batch, p.head_dim / detail::kMergeCols),
                                  dim3(detail::kMergeThreads), stream, p.dependent_merge);
-    // One pass for 4 to 16 parts: on an H200 it took 3-9% less time at batch 1-8 with 1k-2k tokens, but 2-3%
-    // more with 1-3 parts (batch 64), and a one-pass merge over 30-50 parts per thread group 5-8% more.
+    // Up to 4 parts, one warp per query head (decode_merge_warp_kernel), and from 5 to 16 where the one-pass
+    // kernel's grid would exceed a wave (eight of its CTAs per SM): on an H200, against the kernels before, in one
+    // process (the faster of five alternated rounds; bf16 and q8_0, 9/3 d64, 32/8 d128, 16/2 d256, batch 1-64):
+    // 2-4 parts 0.961-1.000x the time (16/2 d256 bf16 at batch 64 with 4k tokens, 2 splits: 143.6 -> 138.1 us;
+    // 9/3 d64 q8_0 at batch 64 with 4k, 4 splits: 42.0 -> 40.9; 32/8 d128 at batch 8 with 1k: 0.964-0.970x);
+    // 8 parts at batch 64 (16/2 d256 q8_0 with 8k tokens, 4096 one-pass CTAs) 161.3 -> 157.2 us, but 5-16 parts on
+    // grids of at most 512 such CTAs (batch 1-8) 0.995-1.13x, as a warp then walks its head's parts alone.
+    // One pass for 5 to 16 parts otherwise: on an H200 it took 3-9% less time than the two-pass kernel at batch
+    // 1-8 with 1k-2k tokens; over 30-50 parts per thread group 5-8% more.
     // Past 16 parts the first 16 accumulators per thread are loaded early (on an H200, batch 1 with 128k
-    // tokens at 32/8 d128: bf16 137.6 -> 135.6 us, q8_0 96.3 -> 94.8, fp8 91.7 -> 90.0); with 1-3 parts
-    // that cost occupancy (14-23% more time at 16/2 d256, batch 64). Past 64 parts on a grid of at most one CTA
-    // per SM (batch 1), the first 32 (on an H200, batch 1 with 128k tokens: 32/8 d128 q8_0 85.3 -> 85.0 us, 16/2
-    // d256 50.3 -> 49.5, 9/3 d64 26.3 -> 25.8; on the larger grid of 32/8 d128 at batch 8 with 32k, 1.7% more).
-    // Where half as many columns per CTA still fit one CTA per SM, that, and 17 early loads per thread (136
+    // tokens at 32/8 d128: bf16 137.6 -> 135.6 us, q8_0 96.3 -> 94.8, fp8 91.7 -> 90.0). Past 64 parts on a grid of
+    // at most one CTA per SM (batch 1), the first 32 (on an H200, batch 1 with 128k tokens: 32/8 d128 q8_0 85.3 ->
+    // 85.0 us, 16/2 d256 50.3 -> 49.5, 9/3 d64 26.3 -> 25.8; on the larger grid of 32/8 d128 at batch 8 with 32k, 1.7%
+    // more). Where half as many columns per CTA still fit one CTA per SM, that, and 17 early loads per thread (136
     // parts in one round trip): each CTA reads half the partials, and on an H200 the merge took 2.0 instead of
     // 2.5 us after the split kernel (32/8 d128, batch 1 with 128k tokens, 132 parts), the calls 0.9-1.0% less
     // time there, 0.3-0.5% with 256k, 1.5-2.0% at 9/3 d64 and 16/2 d256 with 128k.
-    if (parts >= 4 && parts <= detail::kShortMergeParts) return launch(detail::decode_merge_short_kernel<O>, p, parts);
+    if (parts <= 4 || (parts <= detail::kWarpMergeParts && launch.ctas() > int64_t{8} * p.num_sms)) {
+      constexpr int kThreads = 128;
+      const int64_t warps = int64_t{p.batch} * p.num_q_heads;
+      const DependentLaunch lean(dim3(static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads)), dim3(kThreads),
+                                 stream, p.dependent_merge);
+      return KVQ_DISPATCH_HEAD_DIM(p.head_dim, HD, {
+        if (parts <= 4) return lean(detail::decode_merge_warp_kernel<O, HD, 4>, p, parts);
+        return lean(detail::decode_merge_warp_kernel<O, HD, detail::kWarpMergeParts>, p, parts);
+      });
+    }
+    if (parts <= detail::kShortMergeParts) return launch(detail::decode_merge_short_kernel<O>, p, parts);
     if (parts > 64) {
       const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / 32), dim3(detail::kMergeThreads), stream,
                                    p.dependent_merge);
       if (narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_kernel<O, 17, 32>, p, parts);
       if (launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
     }
-    if (parts > detail::kShortMergeParts) return launch(detail::decode_merge_kernel<O, 16>, p, parts);
-    return launch(detail::decode_merge_kernel<O, 0>, p, parts);
+    return launch(detail::decode_merge_kernel<O, 16>, p, parts);
   });
 }
 
