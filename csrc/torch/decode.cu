@@ -153,7 +153,18 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     per_warp = splits_for(groups, 1, c);
   } else if (quantized) {
     const int full = splits_for(groups, 1, shape.ctas_per_sm);
-    const int s = tiles_per_warp(full, 1) >= 128 ? full : splits_for(groups, 1, c);
+    int s = tiles_per_warp(full, 1) >= 128 ? full : splits_for(groups, 1, c);
+    // Where the per-CTA mapping runs one split over more than two CTAs per SM and the full occupancy would leave
+    // each warp under 128 tiles, splits sized for two CTAs per SM instead, if those fill at least 90% of them (so
+    // that each warp walks 128 tiles or more, below). On an H200 with the warp merge (q8_0 and fp8_e4m3; 32/8, 16/4,
+    // 8/8, 40/8, 64/8 and 32/4 heads at d128, batch 16-256 with 1k-16k tokens; the rule before pinned as the per-CTA
+    // mapping, alternated in one process): batch 64 with 4k tokens 0.946-0.972x the time (32/8 q8_0 160.2 -> 154.9
+    // us, fp8 159.2 -> 150.7), batch 128 with 2k-4k 0.945-0.992x; but at batch 48 (192 CTAs for 264 slots)
+    // 1.12-1.19x, hence the fill test.
+    if (splits == 1 && c > 2 && tiles_per_warp(s, 1) < 128) {
+      const int two = splits_for(groups, 1, 2);
+      if (int64_t{p.batch} * groups * two * 10 >= int64_t{sms} * 2 * 9) s = two;
+    }
     const bool several = groups > 1 && splits > 1;
     const bool narrow = p.head_dim == 128 && p.num_q_heads <= 4 * p.num_kv_heads && max_tokens >= 4096;
     if (several ? narrow || tiles_per_warp(s, 1) >= 24 : walks_long(s)) per_warp = s;
