@@ -157,10 +157,12 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     // Where the per-CTA mapping runs one split over more than two CTAs per SM and the full occupancy would leave
     // each warp under 128 tiles, splits sized for two CTAs per SM instead, if those fill at least 90% of them (so
     // that each warp walks 128 tiles or more, below). On an H200 with the warp merge (q8_0 and fp8_e4m3; 32/8, 16/4,
-    // 8/8, 40/8, 64/8 and 32/4 heads at d128, batch 16-256 with 1k-16k tokens; the rule before pinned as the per-CTA
-    // mapping, alternated in one process): batch 64 with 4k tokens 0.946-0.972x the time (32/8 q8_0 160.2 -> 154.9
-    // us, fp8 159.2 -> 150.7), batch 128 with 2k-4k 0.945-0.992x; but at batch 48 (192 CTAs for 264 slots)
-    // 1.12-1.19x, hence the fill test.
+    // 8/8, 40/8, 64/8 and 32/4 heads at d128, batch 16-256 with 1k-16k tokens; against the rule before, alternated in
+    // one process): batch 64 with 4k tokens 0.946-0.972x the time (32/8 q8_0 160.2 -> 154.9 us, fp8 159.2 -> 150.7),
+    // batch 128 with 2k-4k 0.945-0.992x (40/8 heads with 2k: 1.12x); at batch 48 (192 CTAs for 264 slots) 1.12-1.19x,
+    // hence the fill test. The per-warp mapping moves more between processes: in a second one three of the 14 shapes
+    // this changes took 1.05-1.09x (geometric mean 0.995x), which a third timed at 0.96-0.97x; 32/8 at batch 64 with
+    // 4k tokens took 0.946-0.967x in all (bench/results/h200-2026-12-02-warp-splits-ab.json).
     if (splits == 1 && c > 2 && tiles_per_warp(s, 1) < 128) {
       const int two = splits_for(groups, 1, 2);
       if (int64_t{p.batch} * groups * two * 10 >= int64_t{sms} * 2 * 9) s = two;
