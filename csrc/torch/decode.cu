@@ -141,13 +141,14 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   const int groups = p.num_kv_heads / hpc;
   // An 8-bit warp walking its head's whole split must walk long enough to pay for the larger merge.
   const auto walks_long = [&](int s) { return tiles_per_warp(s, 1) >= (splits > 1 ? 48 : 128); };
+  // The per-warp CTAs of s splits fill at least 90% of `ctas` per SM (not held back by the split cap).
+  const auto fills = [&](int s, int ctas) { return int64_t{p.batch} * groups * s * 10 >= int64_t{sms} * ctas * 9; };
   int per_warp = 0;
   if (hpc < w) {
     if (heads_choice == 2 || (quantized && (hpc >= 3 || p.head_dim == 256))) {
       const int c_h = std::min(kvq::decode_tc_shape(p, hpc).ctas_per_sm, 4);
       const int s = splits_for(groups, 1, c_h);
-      const bool fills = int64_t{p.batch} * groups * s * 10 >= int64_t{sms} * c_h * 9;  // not held back by the cap
-      if (heads_choice == 2 || (fills && walks_long(s))) per_warp = s;
+      if (heads_choice == 2 || (fills(s, c_h) && walks_long(s))) per_warp = s;
     }
   } else if (heads_choice == 2) {
     per_warp = splits_for(groups, 1, c);
@@ -165,7 +166,7 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     // 4k tokens took 0.946-0.967x in all (bench/results/h200-2026-12-02-warp-splits-ab.json).
     if (splits == 1 && c > 2 && tiles_per_warp(s, 1) < 128) {
       const int two = splits_for(groups, 1, 2);
-      if (int64_t{p.batch} * groups * two * 10 >= int64_t{sms} * 2 * 9) s = two;
+      if (fills(two, 2)) s = two;
     }
     const bool several = groups > 1 && splits > 1;
     const bool narrow = p.head_dim == 128 && p.num_q_heads <= 4 * p.num_kv_heads && max_tokens >= 4096;
