@@ -10,6 +10,8 @@
 
 using namespace kvq_torch;
 
+static_assert(kvq_max_decode_splits == kvq::kMaxDecodeSplits, "the split-count knob's bound is the merges' cap");
+
 namespace {
 std::atomic<int> g_decode_kernel{0};
 std::atomic<int> g_decode_heads{0};  // 0: by the rule below, 1: one kv head per CTA, 2: one per warp wherever it can,

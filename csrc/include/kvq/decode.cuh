@@ -19,6 +19,9 @@
 
 namespace kvq {
 
+// The most splits of a sequence that the merges combine (the planned counts stop here; so does the split-count knob).
+constexpr int kMaxDecodeSplits = 256;
+
 struct DecodeParams {
   const void* query = nullptr;  // [batch, num_q_heads, head_dim]
   int64_t q_stride_batch = 0, q_stride_head = 0;
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(DecodeConfig<S, HD>::kWarps * 32)
 }
 
 constexpr int kMergeThreads = 256;
-constexpr int kMaxParts = 1024;  // splits (<= 256) x partials per split (<= 4 warps)
+constexpr int kMaxParts = kMaxDecodeSplits * 4;  // splits x partials per split (<= 4 warps)
 
 // op over the kMergeThreads values of the block (identity: op's neutral value); every thread gets the result.
 template <typename Op>
@@ -630,7 +633,7 @@ inline int decode_warps(Format format, DType dtype, int head_dim) {
 inline int decode_num_splits(int batch, int num_kv_heads, int max_tokens, int min_span, int slots) {
   const int64_t ctas = static_cast<int64_t>(batch) * num_kv_heads;
   if (ctas <= 0 || min_span <= 0 || slots <= 0) return 1;
-  const int cap = std::min((max_tokens + min_span - 1) / min_span, 256);
+  const int cap = std::min((max_tokens + min_span - 1) / min_span, kMaxDecodeSplits);
   if (ctas <= slots) return std::max(1, std::min(static_cast<int>(slots / ctas), cap));
   const int most = std::min(8, std::max(1, max_tokens / (8 * min_span)));
   int best = 1;
