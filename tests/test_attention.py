@@ -169,7 +169,8 @@ def test_decode_gpu(backend, case):
 def test_decode_long_gpu(backend, fmt, case):
     """Long sequences: on a 132-SM GPU the CUDA rule gives the 8-bit cases at 32/8 heads one kv head per warp
     (a warp walks over 48 tiles), the unquantized ones a CTA per head; Triton runs one-warp programs that read
-    the 8-bit values as words. A single sequence makes over 64 splits whose merge takes 32 columns per CTA."""
+    the 8-bit values as words (at head_dim 256 two-warp programs, words for q8_0). A single sequence makes over
+    64 splits whose merge takes 32 columns per CTA."""
     dt = torch.float16 if fmt == "fp16" else torch.bfloat16
     hq, hkv, d, lens = case
     check_decode(backend, fmt, dt, hq, hkv, d, 16, lens, device="cuda")

@@ -457,12 +457,16 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     # the byte path in the same run (1k-128k tokens, batch 1-64): at head_dim 64 q8_0 2-20% less time (9/3 heads,
     # batch 1, 128k tokens: 37.0 -> 29.7 us), fp8 13% less to 2% more; at 128 q8_0 11% less to 1% more (32/8
     # heads, batch 1, 128k: 120.7 -> 115.6 us), fp8 9% less to 3% more; but at 40/8 heads (five query heads per
-    # kv head), whose byte path ran 8% faster than 32/8 heads on the same bytes, 1-8% more. Programs of two or
-    # four warps (head_dim 256, single-tile programs) took up to 9% more, so they keep the bytes.
+    # kv head), whose byte path ran 8% faster than 32/8 heads on the same bytes, 1-8% more. Also q8_0 in two-warp
+    # programs (head_dim 256, several tiles each), where the bytes are gathered one at a time from shared memory
+    # and spill (sm_90: 255 registers and 8 bytes of stack, 168 and none with words): 2-3% less time at 16/2
+    # heads (batch 1 with 128k tokens, 8 with 32k, 64 with 4k-8k), 0.4% more at batch 1 with 32k; fp8 there
+    # 1% less to 3% more, and four-warp single-tile programs 1-9% more, so they keep the bytes.
     e4m3_cvt = has_e4m3_cvt(query.device)
     pdl = _PDL and batch == 1 and not INTERPRET and has_pdl(query.device)
     wait = _SPLIT_PDL and pdl
-    words = sad and warps == 1 and not INTERPRET and (fmt == FMT_Q8_0 or e4m3_cvt)
+    words_fmt = fmt == FMT_Q8_0 or (warps == 1 and e4m3_cvt)
+    words = sad and warps <= 2 and words_fmt and not INTERPRET
     kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1, V_WORDS=words)) if sad else (_decode_split, {})
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
