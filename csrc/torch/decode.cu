@@ -47,16 +47,20 @@ int row_heads_for(const kvq::DecodeParams& p, bool quantized) {
   return p.num_kv_heads % 2 == 0 ? 2 : (p.num_kv_heads % 3 == 0 ? 3 : 1);
 }
 
-// Kv heads per warp pay where each warp of their plan (plan_tc_splits) walks at least 16 tiles. On an H200 (q8_0, 32/8
-// and 9/3 heads at d64, batch 1-64 with 1k-256k tokens; the rule before against 'rows' pinned, the faster of two
-// alternated rounds in one process): there 0.82-0.96x the time (32/8 heads at batch 64 with 4k tokens 113.9 -> 93.7
-// us, batch 8 with 128k 396.5 -> 361.2; 9/3 heads at batch 64 with 8k 80.1 -> 73.0, batch 8 with 128k 146.5 ->
+// Kv heads per warp pay where each warp of their plan (plan_tc_splits) walks at least 16 tiles, 6 for pairs. On an H200
+// (q8_0, 32/8 and 9/3 heads at d64, batch 1-64 with 1k-256k tokens; the rule before against 'rows' pinned, the faster
+// of two alternated rounds in one process): there 0.82-0.96x the time (32/8 heads at batch 64 with 4k tokens 113.9 ->
+// 93.7 us, batch 8 with 128k 396.5 -> 361.2; 9/3 heads at batch 64 with 8k 80.1 -> 73.0, batch 8 with 128k 146.5 ->
 // 136.6), except 9/3 heads at batch 1 with 256k (16 tiles: 43.4 against 43.0 us); below it 0.99-1.60x (shorter walks
 // do not pay for the larger merge and the longer first tiles of three heads' rows: 9/3 heads at batch 1 with 1k
-// tokens 4.33 -> 6.92 us). Data: bench/results/h200-2026-12-01-decode-rows-ab.json.
+// tokens 4.33 -> 6.92 us). Data: bench/results/h200-2026-12-01-decode-rows-ab.json. Pairs in three CTAs per SM
+// (decode_tc.cuh's Cfg) pay from shorter walks: with 7-15 tiles 0.88-0.97x the time of the mapping without them
+// (32/8 heads at batch 1 with 32k tokens, batch 8 with 4k; 16/4 heads at batch 1 with 128k, batch 8 with 8k; q8_0
+// and fp8_e4m3), with 2-4 tiles 1.02-1.16x (bench/results/h200-2026-12-02-d64-pair-ctas.json).
 bool rows_pay(const kvq::DecodeParams& p, int max_tokens) {
   constexpr int kTile = kvq::decode_tc::kTile;
-  return max_tokens / (int64_t{p.num_splits} * kTile * kvq::decode_tc_shape(p).warps) >= 16;
+  const int min_tiles = p.row_heads == 2 ? 6 : 16;
+  return max_tokens / (int64_t{p.num_splits} * kTile * kvq::decode_tc_shape(p).warps) >= min_tiles;
 }
 
 // The tensor-core kernel's split count and kv-head mapping (p.num_splits, p.heads_per_cta), from shapes only.
@@ -110,15 +114,16 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   auto tiles_per_warp = [&](int splits, int warps) { return max_tokens / (int64_t{splits} * kTile * warps); };
   p.heads_per_cta = 1;
   if (p.row_heads > 1) {  // kv heads per warp: the CTAs of (sequence, group of row_heads kv heads), as per CTA below
-    // Splits sized for the full occupancy (three CTAs per SM at three kv heads per warp) also where a warp still
-    // walks >= 32 tiles with them. On an H200 (9/3 heads, d64) against splits for two CTAs per SM: batch 64 with 32k
-    // tokens (85 tiles) 0.93-0.96x the time (q8_0 259.1 -> 249.9 us), batch 8 with 128k (41) 0.98-1.00x; batch 64
-    // with 8k (21) 0.98x for q8_0 but 1.03x for fp8_e4m3; with 10-11 tiles (batch 64 with 4k, batch 8 with 32k)
-    // 1.02-1.07x.
+    // Splits for two CTAs per SM; for threes of kv heads sized for the full occupancy (three CTAs per SM) also where
+    // a warp still walks >= 32 tiles with them. On an H200 (9/3 heads, d64) against splits for two CTAs per SM: batch
+    // 64 with 32k tokens (85 tiles) 0.93-0.96x the time (q8_0 259.1 -> 249.9 us), batch 8 with 128k (41) 0.98-1.00x;
+    // batch 64 with 8k (21) 0.98x for q8_0 but 1.03x for fp8_e4m3; with 10-11 tiles (batch 64 with 4k, batch 8 with
+    // 32k) 1.02-1.07x. For pairs (32/8 heads) the same took 1.02-1.06x at batch 1 with 256k tokens and batch 8 with
+    // 32k, and 0.92-1.01x at batch 8 with 128k, whose rounds spread by up to 8% (h200-2026-12-02-d64-pair-ctas.json).
     const int groups = p.num_kv_heads / p.row_heads;
     int c = std::min(shape.ctas_per_sm, 2);
     if (int64_t{p.batch} * groups > int64_t{sms} * c ||
-        tiles_per_warp(splits_for(groups, w, shape.ctas_per_sm), w) >= 32)
+        (p.row_heads == 3 && tiles_per_warp(splits_for(groups, w, shape.ctas_per_sm), w) >= 32))
       c = shape.ctas_per_sm;
     p.num_splits = splits_for(groups, w, c);
     return;

@@ -87,16 +87,20 @@ struct Cfg {
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
   // Column warps (COLS > 1) take the CTA counts above, and after their rings two buffers of every warp's partial
   // scores (split_kernel).
-  // Warps of two kv heads take two CTAs of four warps and four stages. Warps of three (three times the bytes per
-  // tile) take three CTAs of four warps and two stages, whose launch bound holds them to 168 registers (no spills,
-  // sm_90): on an H200 (9/3 heads, q8_0 and fp8_e4m3, batch 1-64 with 4k-256k tokens, each with its fastest split
-  // count, two alternated processes) that took 1-4% less time than two CTAs of three stages (186-197 registers)
-  // at every shape that runs them (batch 64 with 32k tokens: q8_0 258.9 -> 249.9 us); CTAs of three warps, four
-  // per SM, led at some shapes (0.93x there) and lost up to 16% at others (batch 1 with 256k tokens).
+  // Warps of kv-head pairs or threes take three CTAs of four warps per SM, three stages for pairs and two for threes
+  // (three times the bytes per tile); the launch bound holds them to 168 registers (pairs use 123-154, threes 168; no
+  // spills, sm_90). On an H200, against two CTAs per SM: threes (9/3 heads, q8_0 and fp8_e4m3, batch 1-64 with
+  // 4k-256k tokens, each with its fastest split count, two alternated processes) 1-4% less time than two CTAs of
+  // three stages (186-197 registers) at every shape that runs them (batch 64 with 32k tokens: q8_0 258.9 -> 249.9
+  // us), where CTAs of three warps, four per SM, led at some shapes (0.93x) and lost up to 16% at others (batch 1
+  // with 256k tokens); pairs (32/8 and 16/4 heads, q8_0 and fp8_e4m3, batch 1-64 with 1k-256k tokens where the
+  // plan runs them, same split counts, three alternated processes) 0.93-1.00x the time of two CTAs of four stages
+  // (16/4 heads at batch 1 with 128k tokens fp8_e4m3 29.9 -> 27.8 us, 32/8 at batch 8 with 8k q8_0 28.9 -> 27.5).
+  // On sm_89 and sm_120 (one CTA per SM either way) this leaves pairs three stages instead of four: not measured.
   static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8 && NH == 1;
   static constexpr int kWarps = COLS > 1 ? COLS : 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
   static constexpr int kCtasPerSm =
-      kFour ? 4 : NH == 3 ? 3 : (kWarps == 4 && (NH > 1 || 4 * 2 * kStageBytes > 72 * 1024) ? 2 : 3);
+      kFour ? 4 : NH > 1 ? 3 : (kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3);
   static constexpr int kXchBytes = COLS > 1 ? 2 * COLS * 32 * (GMAX > 8 ? 8 : 4) * 4 : 0;
   static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? (COLS > 1 ? 74 : 72) : 110) * 1024;
   static constexpr int kStages = std::min(4, (kSmemPerCta - kXchBytes) / (kWarps * kStageBytes));
