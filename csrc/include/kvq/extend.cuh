@@ -116,10 +116,14 @@ template <int D, int W>
 using DeepCfg = Cfg<D, 64, 1, W>;
 // The deep CTA at head_dim 256: 8 warps of one m-tile (128 rows) with Q in shared memory, as FlashAttention-2
 // runs head_dim 256, so that every K/V tile copied (and dequantized) serves twice wide's 64 rows. 64-key tiles
-// over a bf16/fp16 cache (192 KB of shared memory), 32 over an 8-bit one (the raw rows and scales take 64-key
-// tiles past sm_90's 227 KB): sm_90 only, as sm_89 and sm_120 have 99 KB, where wide serves it.
+// over a bf16/fp16 cache (192 KB of shared memory), 48 over an 8-bit one (190 KB; the raw rows and scales take
+// 64-key tiles past sm_90's 227 KB): sm_90 only, as sm_89 and sm_120 have 99 KB, where wide serves it. 48-key
+// tiles took 0.90-0.94x the time of 32-key ones over a prefix and in 2048-8192-token prefills on an H200 (16/2
+// heads, three alternated rounds: q8_0 2048 over 32k 6162 -> 5670 us, fp8_e4m3 6173 -> 5574; 248 registers on
+// sm_90, no spills). Wide's 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their 32 (84 bytes of
+// spills on sm_90), so they stay at 32.
 template <typename S>
-using Deep256Cfg = Cfg<256, StorageTraits<S>::kQuantized ? 32 : 64, 1, 8>;
+using Deep256Cfg = Cfg<256, StorageTraits<S>::kQuantized ? 48 : 64, 1, 8>;
 
 // Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
 // words, each written and read back by the same thread; two tiles' worth of page numbers. A CTA of one
@@ -798,8 +802,10 @@ constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249,
 // e.g. 2048 over 32k q8_0 8540 -> 6176 us, bf16 6420 -> 4815; plain prefills gained less, 0.83-0.90 from 2048
 // tokens). The estimate sets them against wide's cost there, kShapeCosts<kQuant, 256>.wide: 1.0 for bf16/fp16, but
 // for 8-bit caches the head_dim 128 ratio to tall, 2572/2161, so 8-bit deep counts 0.62x wide, not the measured
-// 0.74x. With the rule below, the benchmark's nine shapes, timed after it, each took the faster of the two (wide
-// only in the 512-token prefill, where the rule refuses deep), as the estimate says the sweep's others would.
+// 0.74x (both measured with 32-key tiles over 8-bit caches; the 48-key ones take 8% less, so deep counts a little
+// dear for them). With the rule below, the benchmark's nine shapes, timed after it, each took the faster of the
+// two (wide only in the 512-token prefill, where the rule refuses deep), as the estimate says the sweep's others
+// would.
 template <bool kQuant>
 constexpr double kDeep256Cost = kQuant ? 0.74 : 0.79;
 
