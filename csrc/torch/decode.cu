@@ -120,12 +120,15 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
     // batch 64 with 8k (21) 0.98x for q8_0 but 1.03x for fp8_e4m3; with 10-11 tiles (batch 64 with 4k, batch 8 with
     // 32k) 1.02-1.07x. For pairs (32/8 heads) the same took 1.02-1.06x at batch 1 with 256k tokens and batch 8 with
     // 32k, and 0.92-1.01x at batch 8 with 128k, whose rounds spread by up to 8% (h200-2026-12-02-d64-pair-ctas.json).
+    // Full occupancy too where the CTAs of one split outnumber the SMs: sized for two per SM they would leave one
+    // split, most SMs holding one CTA and a few two. There two splits (three CTAs per SM) took 0.66-0.83x the time
+    // of one (q8_0 and fp8_e4m3; 32/8 heads at batch 36-48, 16/4 at 72-96, 9/3 at 144; 4k and 32k tokens: 32/8 at
+    // batch 36 with 32k 636.2 -> 425.3 us); h200-2026-12-02-d64-row-band.json.
     const int groups = p.num_kv_heads / p.row_heads;
-    int c = std::min(shape.ctas_per_sm, 2);
-    if (int64_t{p.batch} * groups > int64_t{sms} * c ||
-        (p.row_heads == 3 && tiles_per_warp(splits_for(groups, w, shape.ctas_per_sm), w) >= 32))
-      c = shape.ctas_per_sm;
-    p.num_splits = splits_for(groups, w, c);
+    const int full = splits_for(groups, w, shape.ctas_per_sm);
+    p.num_splits = int64_t{p.batch} * groups > sms || (p.row_heads == 3 && tiles_per_warp(full, w) >= 32)
+                       ? full
+                       : splits_for(groups, w, std::min(shape.ctas_per_sm, 2));
     return;
   }
   if (p.column_warps > 1) {
