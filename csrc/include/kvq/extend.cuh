@@ -118,9 +118,9 @@ using DeepCfg = Cfg<D, 64, 1, W>;
 // runs head_dim 256, so that every K/V tile copied (and dequantized) serves twice wide's 64 rows. 64-key tiles
 // over a bf16/fp16 cache (192 KB of shared memory), 48 over an 8-bit one (190 KB; the raw rows and scales take
 // 64-key tiles past sm_90's 227 KB): sm_90 only, as sm_89 and sm_120 have 99 KB, where wide serves it. 48-key
-// tiles took 0.90-0.94x the time of 32-key ones over a prefix and in 2048-8192-token prefills on an H200 (16/2
-// heads, three alternated rounds: q8_0 2048 over 32k 6162 -> 5670 us, fp8_e4m3 6173 -> 5574; 248 registers on
-// sm_90, no spills). Wide's 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their 32 (84 bytes of
+// tiles took 0.90-0.94x the time of 32-key ones over a prefix and 0.91-0.98x in 2048-8192-token prefills on an
+// H200 (16/2 heads, three alternated rounds: q8_0 2048 over 32k 6162 -> 5670 us, fp8_e4m3 6173 -> 5574; 248
+// registers on sm_90, no spills). Wide's 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their 32 (84 bytes of
 // spills on sm_90), so they stay at 32.
 template <typename S>
 using Deep256Cfg = Cfg<256, StorageTraits<S>::kQuantized ? 48 : 64, 1, 8>;
