@@ -885,11 +885,15 @@ ExtendPlan plan_shape(const ExtendParams& p) {
     if ((p.shape == 0 || p.shape == 2) && Smem<S, Deep>::kBytes <= size_t(p.max_smem)) {
       int s_deep = 1;
       const double deep = best(Deep::kBlockM, resident_ctas<T, S, Deep>(), kDeep256Cost<kQuant>, s_deep);
-      // Not where wide's CTAs, twice as many for the same rows, would each have an SM to itself: 512 new tokens
-      // with no prefix (64 deep CTAs at 16/2 heads, too few keys to split) took 40.1 us deep against 35.4 wide
-      // (bf16; q8_0 43.8 against 42.9), where 512 over a 4k prefix, 128 deep CTAs of two splits, took 183 against
-      // 231 (q8_0 233 against 310).
-      if (p.shape == 2 || (deep < wide && 2 * ctas_of(Deep::kBlockM) * s_deep > p.num_sms)) return {2, s_deep};
+      // Not where wide's CTAs, twice as many for the same rows, would each have an SM to itself, unless the block
+      // table addresses twice the chunk's keys (with no window): 512 new tokens with no prefix (64 deep CTAs at
+      // 16/2 heads, too few keys to split) took 40.1 us deep against 35.4 wide (bf16; q8_0 43.8 against 42.9),
+      // where 512 over a 4k prefix, 128 deep CTAs of two splits, took 183 against 231 (q8_0 233 against 310), and
+      // over a 1k prefix, 66 deep CTAs: q8_0 131.9 against 151.8 us, 256 new tokens 115.7 against 135.8 (fp8_e4m3
+      // alike, bf16 0.98-1.00x; `bench/results/h200-2026-12-02-extend-d256-shape-sweep.json`).
+      const bool long_prefix = p.window_left < 0 && table_keys >= 2 * chunk;
+      if (p.shape == 2 || (deep < wide && (long_prefix || 2 * ctas_of(Deep::kBlockM) * s_deep > p.num_sms)))
+        return {2, s_deep};
     }
   }
   return {1, s_wide};
