@@ -116,6 +116,14 @@ def test_masks_and_softcap(fmt, causal, window_left, softcap):
              scale=4.0 if softcap else 1.0)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+@pytest.mark.parametrize("page_size,window_left", [(1, -1), (256, -1), (16, 40)])
+def test_head_dim_256_pages_and_window(fmt, page_size, window_left):
+    """The deep CTA at head_dim 256 loads 8-bit rows into registers rather than through the staging area of the
+    other shapes: its row lookups across page sizes, and the tiles a window skips."""
+    run_case(RAGGED, hq=4, hkv=2, d=256, fmt=fmt, page_size=page_size, window_left=window_left)
+
+
 @pytest.mark.parametrize("fmt,group", [("q8_0", 16), ("fp8_e4m3", 4), ("fp16", 1)])
 def test_long(fmt, group):
     dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
@@ -139,9 +147,10 @@ def test_strided_inputs_and_output():
 
 @pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_nan_scale_propagates(fmt, which):
+@pytest.mark.parametrize("d", [64, 256])
+def test_nan_scale_propagates(fmt, which, d):
     seqs = [(50, 20), (30, 10)]
-    paged, q, k, v, cu, prefix_t = make_case(seqs, 4, 2, 64, fmt, torch.bfloat16, 16)
+    paged, q, k, v, cu, prefix_t = make_case(seqs, 4, 2, d, fmt, torch.bfloat16, 16)
     page = int(paged.block_table[0, 1])  # tokens 16..31 of sequence 0, visible to all its rows
     (paged.k_scale if which == "k" else paged.v_scale)[page, 3, 1, 0] = math.nan
     args = (q, k, v, paged.k_cache, paged.v_cache, paged.k_scale, paged.v_scale, paged.block_table, prefix_t, cu,
@@ -200,10 +209,11 @@ def test_dependent_launches(fmt):
     check_against_truth(got["auto"][0], paged, qs[0], k, v, cu, prefix_t, 0.1, True, -1, 0.0)
 
 
-def test_bad_pages_are_not_dereferenced():
+@pytest.mark.parametrize("d", [64, 256])
+def test_bad_pages_are_not_dereferenced(d):
     """With index checks off, pages outside the cache read as zeros instead of faulting (the kernel loads zero
     values and zero scales for them: keys that score 0 and add nothing to the output), and the rest is attended."""
-    paged, q, k, v, cu, prefix_t = make_case([(64, 8)], 4, 2, 64, "q8_0", torch.bfloat16, 16)
+    paged, q, k, v, cu, prefix_t = make_case([(64, 8)], 4, 2, d, "q8_0", torch.bfloat16, 16)
     num_pages = paged.k_cache.shape[0]
     # The expected result: the same cache with one more page of zeros, and the bad entries pointing at it.
     zero_page = lambda t: torch.cat([t, torch.zeros_like(t[:1])])

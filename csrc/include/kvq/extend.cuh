@@ -23,7 +23,8 @@
 // is computed (S = Q K^T, online softmax, O += P V) the copies of tile j + 1 are in flight: rows in the
 // query dtype (an unquantized cache, or the new keys) by cp.async straight into the tile; 8-bit rows and
 // their scale words by cp.async into a staging area, dequantized by the thread that copied them once its
-// copies land. The block-table entries of tile j + 2 are read meanwhile, so no copy waits on the table.
+// copies land (the deep CTA at head_dim 256 loads them into registers instead, after the tile's Q K^T: see
+// RawRegs). The block-table entries of tile j + 2 are read meanwhile, so no copy waits on the table.
 #pragma once
 
 #include <algorithm>
@@ -116,17 +117,19 @@ template <int D, int W>
 using DeepCfg = Cfg<D, 64, 1, W>;
 // The deep CTA at head_dim 256: 8 warps of one m-tile (128 rows) with Q in shared memory, as FlashAttention-2
 // runs head_dim 256, so that every K/V tile copied (and dequantized) serves twice wide's 64 rows. 64-key tiles
-// over a bf16/fp16 cache (192 KB of shared memory), 48 over an 8-bit one (190 KB; the raw rows and scales take
-// 64-key tiles past sm_90's 227 KB): sm_90 only, as sm_89 and sm_120 have 99 KB, where wide serves it. 48-key
-// tiles took 0.90-0.94x the time of 32-key ones over a prefix and 0.91-0.98x in 2048-8192-token prefills on an
-// H200 (16/2 heads, three alternated rounds: q8_0 2048 over 32k 6162 -> 5670 us, fp8_e4m3 6173 -> 5574; 248
-// registers on sm_90, no spills). Wide's 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their 32 (84 bytes of
-// spills on sm_90), so they stay at 32.
+// over a bf16/fp16 cache (192 KB of shared memory), 48 over an 8-bit one (160 KB): sm_90 only, as sm_89 and
+// sm_120 have 99 KB, where wide serves it. The 8-bit tiles' raw rows wait in registers (RawRegs), 30 of them
+// per thread at 48 keys: 255 registers and 16 bytes of spills on sm_90, where 64 keys would need 40. 48-key
+// tiles (then staged in shared memory, 190 KB) took 0.90-0.94x the time of 32-key ones over a prefix and
+// 0.91-0.98x in 2048-8192-token prefills on an H200 (16/2 heads, three alternated rounds: q8_0 2048 over 32k 6162
+// -> 5670 us, fp8_e4m3 6173 -> 5574). Wide's 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their
+// 32 (84 bytes of spills on sm_90), so they stay at 32.
 template <typename S>
 using Deep256Cfg = Cfg<256, StorageTraits<S>::kQuantized ? 48 : 64, 1, 8>;
 
-// Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache one stage of raw rows and scale
-// words, each written and read back by the same thread; two tiles' worth of page numbers. A CTA of one
+// Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache (but in the deep CTA at head_dim 256)
+// one stage of raw rows and scale words, each written and read back by the same thread; two tiles' worth of
+// page numbers. A CTA of one
 // m-tile per warp ("deep") keeps its Q fragments in registers, so Q passes through the K/V stage that the
 // first tile leaves free and has no space of its own: that keeps 64-key tiles of an 8-bit cache within the
 // 99 KB of sm_89 and sm_120 (with Q in shared memory they took 116 KB, so it had 32-key tiles). On an H200,
@@ -135,10 +138,12 @@ template <typename S, typename C>
 struct Smem {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
   static constexpr bool kQInRegs = C::kMTiles == 1 && C::kD <= 128;  // deep and small (wide at d256 has one too)
+  // The deep CTA at head_dim 256 holds an 8-bit tile's raw rows and scale words in registers (RawRegs), not here.
+  static constexpr bool kRawInRegs = kQuant && C::kD == 256 && C::kWarps == 8;
   static constexpr int kTile = C::kBlockN * C::kD * 2;        // a K or V tile in T
   static constexpr int kStage = 2 * kTile;
-  static constexpr int kRaw = kQuant ? C::kBlockN * C::kD : 0;  // K or V raw rows
-  static constexpr int kScales = kQuant ? C::kBlockN * C::kD / 16 * 4 : 0;  // one word per 16-byte chunk
+  static constexpr int kRaw = kQuant && !kRawInRegs ? C::kBlockN * C::kD : 0;  // K or V raw rows
+  static constexpr int kScales = kQuant && !kRawInRegs ? C::kBlockN * C::kD / 16 * 4 : 0;  // one word per 16-byte chunk
   static constexpr int kQBytes = C::kBlockM * C::kD * 2;
   static_assert(!kQInRegs || kQBytes <= kStage, "Q must fit one K/V stage");
   static constexpr int kQOff = 0;  // unless kQInRegs
@@ -246,7 +251,7 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
       cp_async16(stage + L::kTile + swz<D>(r, c), vsrc, bytes);
     }
   }
-  if constexpr (kQuant) {
+  if constexpr (kQuant && !L::kRawInRegs) {
     if (n0 < s.prefix) {  // 8-bit rows: 16-byte chunks of 16 elements, each with the scale word it needs
       constexpr int kCpr = D / 16, kRpp = kThreads / kCpr;
       const int c = tid % kCpr;
@@ -279,6 +284,19 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
   }
 }
 
+// 8-bit chunk c (16 elements) of row r into a T tile at `tile`; `word` holds the scales of blocks 2 (c / 4) and
+// 2 (c / 4) + 1 (a row's scales start 4-byte aligned: D / 32 is even).
+template <typename T, typename S, int D>
+__device__ __forceinline__ void dequant_chunk(const uint4& q, uint32_t word, int r, int c, uint32_t tile) {
+  const uint16_t sc = uint16_t((c / 2) % 2 ? word >> 16 : word & 0xFFFFu);
+  uint32_t w[8];
+  dequant16<T, S>(q, sc, w);
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c)), "r"(w[0]), "r"(w[1]),
+               "r"(w[2]), "r"(w[3]));
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c + 1)), "r"(w[4]), "r"(w[5]),
+               "r"(w[6]), "r"(w[7]));
+}
+
 // Dequantize this thread's 8-bit chunks of the tile issued last into the T tiles of `stage` (x' = float(q) *
 // scale, rounded once to T). Only the thread's own copies are read, so its wait for them is enough; the
 // caller synchronizes the CTA before the tile is used.
@@ -303,15 +321,78 @@ __device__ __forceinline__ void dequant_tile(const SeqInfo& s, int n0, uint32_t 
                    : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
                    : "r"(raw + kv * L::kRaw + slot * 16));
       asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(word) : "r"(scl + kv * L::kScales + slot * 4));
-      const uint16_t sc = uint16_t((c / 2) % 2 ? word >> 16 : word & 0xFFFFu);
-      uint32_t w[8];
-      dequant16<T, S>(q, sc, w);
-      const uint32_t tile = stage + kv * L::kTile;
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c)), "r"(w[0]),
-                   "r"(w[1]), "r"(w[2]), "r"(w[3]));
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<D>(r, 2 * c + 1)), "r"(w[4]),
-                   "r"(w[5]), "r"(w[6]), "r"(w[7]));
+      dequant_chunk<T, S, D>(q, word, r, c, stage + kv * L::kTile);
     }
+  }
+}
+
+// The deep CTA at head_dim 256 over an 8-bit cache holds its share of the next tile's raw rows and scale words in
+// registers instead of a shared-memory staging area: loaded from global memory after the current tile's Q K^T,
+// dequantized into the T tiles after its P V. The same chunks per thread and the same arithmetic as issue_tile +
+// dequant_tile, without the staging area's writes and read-backs (60 KB per 48-key tile of K and V, raw rows and
+// scale words), about a ninth of the CTA's shared-memory traffic, which bounds it: its eight warps each read every
+// K/V tile and their Q rows by ldmatrix (448 KB per tile). On an H200 (16/2 heads, 512-8192 new tokens over 4k and
+// 32k prefixes, q8_0 and fp8_e4m3, two alternated rounds) 0.89-0.95x the time, and an 8-bit prefix 1.02-1.08x the
+// time of a bf16 one (1.10-1.20x with the staging area). Loaded at the top of the tile instead, before Q K^T, they
+// took 0.92-0.97x (28-44 bytes of spills against 16). Rows past the prefix or of an invalid page are zeros, as
+// cp.async's zero fill makes them.
+template <typename C>
+struct RawRegs {
+  static constexpr int kIt = C::kBlockN / (C::kThreads / (C::kD / 16));
+  uint4 q[2][kIt];
+  uint32_t w[2][kIt];
+};
+
+__device__ __forceinline__ void ld_nc16(uint4& v, const void* src) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(src));
+}
+__device__ __forceinline__ void ld_nc4(uint32_t& v, const void* src) {
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(src));
+}
+
+template <typename S, typename C>
+__device__ __forceinline__ void load_raw(const ExtendParams& p, const paged_kv_t<S>& cache, const SeqInfo& s,
+                                         const FastDivmod& pdm, int n0, const int* pages, RawRegs<C>& rr) {
+  constexpr int D = C::kD, kCpr = D / 16, kRpp = C::kThreads / kCpr;
+  if (n0 >= s.prefix) return;
+  const int tid = threadIdx.x, c = tid % kCpr;
+  const uint8_t* kb = static_cast<const uint8_t*>(p.k_cache);
+  const uint8_t* vb = static_cast<const uint8_t*>(p.v_cache);
+#pragma unroll
+  for (int it = 0; it < RawRegs<C>::kIt; ++it) {
+    const int r = tid / kCpr + it * kRpp;
+    const int kpos = n0 + r;
+    const int page = kpos < s.prefix ? pages[r] : -1;
+    if (page >= 0) {
+      int idx, off;
+      pdm.divmod(kpos, idx, off);
+      const int64_t row = (int64_t(off) * cache.num_kv_heads + s.h_kv) * D + c * 16;
+      const int64_t so = cache.scale_offset(int64_t(page) * cache.page_size + off, s.h_kv) + 2 * (c / 4);
+      ld_nc16(rr.q[0][it], kb + int64_t(page) * p.k_stride_page + row);
+      ld_nc16(rr.q[1][it], vb + int64_t(page) * p.v_stride_page + row);
+      ld_nc4(rr.w[0][it], p.k_scale + so);
+      ld_nc4(rr.w[1][it], p.v_scale + so);
+    } else {
+      rr.q[0][it] = rr.q[1][it] = make_uint4(0u, 0u, 0u, 0u);
+      rr.w[0][it] = rr.w[1][it] = 0u;
+    }
+  }
+}
+
+template <typename T, typename S, typename C>
+__device__ __forceinline__ void store_raw(const SeqInfo& s, int n0, uint32_t stage, const RawRegs<C>& rr) {
+  using L = Smem<S, C>;
+  constexpr int D = C::kD, kCpr = D / 16, kRpp = C::kThreads / kCpr;
+  if (n0 >= s.prefix) return;
+  const int tid = threadIdx.x, c = tid % kCpr;
+#pragma unroll
+  for (int it = 0; it < RawRegs<C>::kIt; ++it) {
+    const int r = tid / kCpr + it * kRpp;
+    if (n0 + r >= s.prefix) continue;
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) dequant_chunk<T, S, D>(rr.q[kv][it], rr.w[kv][it], r, c, stage + kv * L::kTile);
   }
 }
 
@@ -446,9 +527,12 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     pages[((j_begin + 1) & 1) * BN + tid] = lookup_page(cache, s, pdm, (j_begin + 1) * BN + tid);
   }
   __syncthreads();
-  if (j_begin < j_end)
+  RawRegs<C> rr;
+  if (j_begin < j_end) {
     issue_tile<T, S, C>(p, cache, s, pdm, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw,
                         pages + (j_begin & 1) * BN);
+    if constexpr (L::kRawInRegs) load_raw<S, C>(p, cache, s, pdm, j_begin * BN, pages + (j_begin & 1) * BN, rr);
+  }
   cp_async_commit();  // with the Q tile
   cp_async_wait_all();
   uint32_t qa[L::kQInRegs ? D / 16 : 1][4];  // Q fragments (A of Q K^T) of this warp's one m-tile
@@ -458,7 +542,9 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     for (int kk = 0; kk < D / 16; ++kk)
       ldmatrix_x4(qv_addr.at(kk, 0) + q_off, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
   }
-  if constexpr (L::kQuant) {
+  if constexpr (L::kRawInRegs) {
+    if (j_begin < j_end) store_raw<T, S, C>(s, j_begin * BN, sK + (j_begin & 1) * L::kStage, rr);
+  } else if constexpr (L::kQuant) {
     if (j_begin < j_end) dequant_tile<T, S, C>(s, j_begin * BN, sK + (j_begin & 1) * L::kStage, sRaw);
   }
 
@@ -499,6 +585,10 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
           mma16816<T>(sc[mt][2 * nb + 1], a[mt], b2, b3);
         }
       }
+    }
+
+    if constexpr (L::kRawInRegs) {  // here rather than with issue_tile: fewer registers live (RawRegs)
+      if (j + 1 < j_end) load_raw<S, C>(p, cache, s, pdm, n0 + BN, pages + ((j + 1) & 1) * BN, rr);
     }
 
     // Scores in log2 units; only tiles crossing the diagonal, the window edge or kv_len are masked. The
@@ -609,7 +699,9 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
     }
     if (tid < BN) pages[(j & 1) * BN + tid] = next_page;  // tile j + 2's stage; read after the next barrier
     cp_async_wait_all();
-    if constexpr (L::kQuant) {
+    if constexpr (L::kRawInRegs) {
+      if (j + 1 < j_end) store_raw<T, S, C>(s, n0 + BN, sK + ((j + 1) & 1) * L::kStage, rr);
+    } else if constexpr (L::kQuant) {
       if (j + 1 < j_end) dequant_tile<T, S, C>(s, n0 + BN, sK + ((j + 1) & 1) * L::kStage, sRaw);
     }
   }
