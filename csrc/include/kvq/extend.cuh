@@ -117,15 +117,15 @@ template <int D, int W>
 using DeepCfg = Cfg<D, 64, 1, W>;
 // The deep CTA at head_dim 256: 8 warps of one m-tile (128 rows) with Q in shared memory, as FlashAttention-2
 // runs head_dim 256, so that every K/V tile copied (and dequantized) serves twice wide's 64 rows. 64-key tiles
-// over a bf16/fp16 cache (192 KB of shared memory), 48 over an 8-bit one (160 KB): sm_90 only, as sm_89 and
-// sm_120 have 99 KB, where wide serves it. The 8-bit tiles' raw rows wait in registers (RawRegs), 30 of them
-// per thread at 48 keys: 255 registers and 16 bytes of spills on sm_90, where 64 keys would need 40. 48-key
-// tiles (then staged in shared memory, 190 KB) took 0.90-0.94x the time of 32-key ones over a prefix and
-// 0.91-0.98x in 2048-8192-token prefills on an H200 (16/2 heads, three alternated rounds: q8_0 2048 over 32k 6162
-// -> 5670 us, fp8_e4m3 6173 -> 5574). Wide's 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their
-// 32 (84 bytes of spills on sm_90), so they stay at 32.
+// (192 KB of shared memory): sm_90 only, as sm_89 and sm_120 have 99 KB, where wide serves it. An 8-bit tile's
+// raw rows wait in registers (RawRegs, 40 per thread), not in shared memory: 255 registers with 32 bytes of spill
+// stores and 44 of loads on sm_90. Against 48-key tiles (30 registers of raw rows, 16 bytes of spills) they took
+// 0.968-0.984x the time over a prefix on an H200 (16/2 heads, 512-8192 new tokens over 4k and 32k, two alternated
+// rounds: q8_0 2048 over 32k 5152 -> 4993 us, 8192 over 32k 21867 -> 21244), plain prefills 0.97-1.00x. Wide's
+// 8-bit d128 tiles at 48 (95 KB, within sm_89's) took 1.01-1.05x their 32 (84 bytes of spills on sm_90), so they
+// stay at 32.
 template <typename S>
-using Deep256Cfg = Cfg<256, StorageTraits<S>::kQuantized ? 48 : 64, 1, 8>;
+using Deep256Cfg = Cfg<256, 64, 1, 8>;
 
 // Shared memory: Q; two stages of K and V tiles in T; for an 8-bit cache (but in the deep CTA at head_dim 256)
 // one stage of raw rows and scale words, each written and read back by the same thread; two tiles' worth of
@@ -139,7 +139,7 @@ struct Smem {
   static constexpr bool kQuant = StorageTraits<S>::kQuantized;
   static constexpr bool kQInRegs = C::kMTiles == 1 && C::kD <= 128;  // deep and small (wide at d256 has one too)
   // The deep CTA at head_dim 256 holds an 8-bit tile's raw rows and scale words in registers (RawRegs), not here.
-  static constexpr bool kRawInRegs = kQuant && C::kD == 256 && C::kWarps == 8;
+  static constexpr bool kRawInRegs = kQuant && std::is_same_v<C, Deep256Cfg<S>>;
   static constexpr int kTile = C::kBlockN * C::kD * 2;        // a K or V tile in T
   static constexpr int kStage = 2 * kTile;
   static constexpr int kRaw = kQuant && !kRawInRegs ? C::kBlockN * C::kD : 0;  // K or V raw rows
@@ -215,11 +215,10 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
   auto fresh = [&](const T* base, int64_t st_tok, int64_t st_head, int kpos) {
     return base + int64_t(s.q_start + kpos - s.prefix) * st_tok + s.h_kv * st_head;
   };
-  // Element offset of cached row kpos within a page-major plane (valid page).
-  auto cached = [&](int page, int kpos, int64_t page_stride) {
+  auto offset_in_page = [&](int kpos) {
     int idx, off;
     pdm.divmod(kpos, idx, off);
-    return int64_t(page) * page_stride + (int64_t(off) * cache.num_kv_heads + s.h_kv) * D;
+    return off;
   };
 
   // Rows in T: 16-byte chunks, kCpr per row.
@@ -237,9 +236,9 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
       if (kpos < s.prefix) {
         const int page = pages[r];
         if (page >= 0) {
-          const int64_t e = cached(page, kpos, p.k_stride_page);
-          const int64_t ev = cached(page, kpos, p.v_stride_page);
-          ksrc = static_cast<const T*>(p.k_cache) + e + c * 8, vsrc = static_cast<const T*>(p.v_cache) + ev + c * 8;
+          const int off = offset_in_page(kpos);
+          ksrc = static_cast<const T*>(p.k_cache) + cache.k_offset(page, off, s.h_kv) + c * 8;
+          vsrc = static_cast<const T*>(p.v_cache) + cache.v_offset(page, off, s.h_kv) + c * 8;
           bytes = 16;
         }
       } else if (kpos < s.kv_len) {
@@ -267,9 +266,8 @@ __device__ __forceinline__ void issue_tile(const ExtendParams& p, const paged_kv
         int64_t ke = 0, ve = 0, so = 0;
         const int bytes = page >= 0 ? 16 : 0;
         if (page >= 0) {
-          ke = cached(page, kpos, p.k_stride_page), ve = cached(page, kpos, p.v_stride_page);
-          int idx, off;
-          pdm.divmod(kpos, idx, off);
+          const int off = offset_in_page(kpos);
+          ke = cache.k_offset(page, off, s.h_kv), ve = cache.v_offset(page, off, s.h_kv);
           so = cache.scale_offset(int64_t(page) * cache.page_size + off, s.h_kv);
         }
         // Chunk it of this thread at (it * kThreads + tid) * 16; its scale (block c / 2) in the 4-byte word
@@ -331,11 +329,14 @@ __device__ __forceinline__ void dequant_tile(const SeqInfo& s, int n0, uint32_t 
 // dequantized into the T tiles after its P V. The same chunks per thread and the same arithmetic as issue_tile +
 // dequant_tile, without the staging area's writes and read-backs (60 KB per 48-key tile of K and V, raw rows and
 // scale words), about a ninth of the CTA's shared-memory traffic, which bounds it: its eight warps each read every
-// K/V tile and their Q rows by ldmatrix (448 KB per tile). On an H200 (16/2 heads, 512-8192 new tokens over 4k and
-// 32k prefixes, q8_0 and fp8_e4m3, two alternated rounds) 0.89-0.95x the time, and an 8-bit prefix 1.02-1.08x the
-// time of a bf16 one (1.10-1.20x with the staging area). Loaded at the top of the tile instead, before Q K^T, they
-// took 0.92-0.97x (28-44 bytes of spills against 16). Rows past the prefix or of an invalid page are zeros, as
-// cp.async's zero fill makes them.
+// K/V tile and their Q rows by ldmatrix (448 KB per tile). On an H200 (48-key tiles, 16/2 heads, 512-8192 new tokens
+// over 4k and 32k prefixes, q8_0 and fp8_e4m3, two alternated rounds) 0.89-0.95x the time, and an 8-bit prefix
+// 1.02-1.08x the time of a bf16 one (1.10-1.20x with the staging area). Loaded at the top of the tile instead,
+// before Q K^T, they took 0.92-0.97x (28-44 bytes of spills against 16). Rows past the prefix or of an invalid page
+// are zeros, as cp.async's zero fill makes them. Written with paged_kv_t::k_offset and rows past the prefix skipped
+// (left unassigned, as store_raw skips them), the same loads with 64-key tiles took 1.09-1.27x the time of 48-key
+// tiles over a prefix on an H200 (16/2 heads, 512-8192 new tokens over 4k and 32k, q8_0 and fp8_e4m3), where this
+// form had taken 0.97-0.98x (same register count and spills), so it stays spelled out.
 template <typename C>
 struct RawRegs {
   static constexpr int kIt = C::kBlockN / (C::kThreads / (C::kD / 16));
@@ -894,10 +895,10 @@ constexpr ShapeCosts kShapeCosts = kQuant ? (D == 64 ? ShapeCosts{1435.0 / 1249,
 // e.g. 2048 over 32k q8_0 8540 -> 6176 us, bf16 6420 -> 4815; plain prefills gained less, 0.83-0.90 from 2048
 // tokens). The estimate sets them against wide's cost there, kShapeCosts<kQuant, 256>.wide: 1.0 for bf16/fp16, but
 // for 8-bit caches the head_dim 128 ratio to tall, 2572/2161, so 8-bit deep counts 0.62x wide, not the measured
-// 0.74x (both measured with 32-key tiles over 8-bit caches; the 48-key ones take 8% less, so deep counts a little
-// dear for them). With the rule below, the benchmark's nine shapes, timed after it, each took the faster of the
-// two (wide only in the 512-token prefill, where the rule refuses deep), as the estimate says the sweep's others
-// would.
+// 0.74x (both measured with 32-key tiles over 8-bit caches; its 64-key tiles with raw rows in registers take about
+// 0.78-0.88x that time over a prefix, the product of three A/B runs, so deep counts dear for them). With the rule
+// below, the benchmark's nine shapes, timed after it, each took the faster of the two (wide only in the 512-token
+// prefill, where the rule refuses deep), as the estimate says the sweep's others would.
 template <bool kQuant>
 constexpr double kDeep256Cost = kQuant ? 0.74 : 0.79;
 
