@@ -28,8 +28,12 @@
 // output rows it holds are permuted the same way, and written back to their true positions).
 //
 // Raw rows and scales travel by cp.async into a warp-private ring of kStages tiles (no block barrier in the
-// loop). 8-bit key rows are padded by 32 bytes, unquantized ones XOR-swizzled, value rows padded by 16 bytes,
-// so that the fragment loads of a warp are free of bank conflicts.
+// loop). Rows keep each 128-byte line of the cache in one aligned 128-byte span of the ring, their bytes XOR-
+// permuted inside it so that the fragment loads of a warp are free of bank conflicts (Cfg::k_at, v_at): a cp.async
+// whose line straddles two spans of shared memory is split, and each part requests its sectors from L2 anew.
+// (Rows padded by 16 or 32 bytes in stages of 16 bytes past a multiple of 128 had taken 1.5x the L2 sectors of
+// the data: on an H200 Nsight Compute counted 10.5 shared-memory wavefronts and L2 requests per bf16 cp.async
+// instruction, where 4 suffice.) Slices of 192 bytes (three kv heads at head_dim 64) keep padded rows.
 #pragma once
 
 #include "decode.cuh"
@@ -56,10 +60,13 @@ struct Cfg {
   static constexpr int kNC = kSpan / 16;  // 16-byte chunks per slice
   static constexpr int kCE = 16 / static_cast<int>(sizeof(S));  // elements per chunk
   static constexpr int kKPC = kCE / 4;  // QK k-steps fed by one chunk
-  // Unquantized key rows are read in 16-byte chunks (XOR-swizzled); 8-bit key rows in 8-byte words, one
-  // 32-element block per 4 threads, which a 32-byte pad keeps free of bank conflicts.
+  // Unquantized key rows are read in 16-byte chunks; 8-bit key rows in 8-byte words, one 32-element block per 4
+  // threads; value rows in 8-byte words. kLines: the slice is whole 128-byte lines (or half of one), kept whole in
+  // the ring and XOR-permuted inside (k_at, v_at); otherwise (192 bytes) 8-bit key rows padded by 32 bytes and value
+  // rows by 16, which keeps those loads free of bank conflicts too.
   static constexpr bool kSwizzle = !kQuant && kNC >= 8;
-  static constexpr int kKStride = kQuant ? kSpan + 32 : kSpan;
+  static constexpr bool kLines = kSpan % 128 == 0 || kSpan == 64;
+  static constexpr int kKStride = kQuant && !kLines ? kSpan + 32 : kSpan;
   // L2 prefetch hint of the row copies (cp_async16), measured on an H200 against none or the other size:
   // unquantized rows 128 bytes (1.5-3% less time for bf16 from 4k tokens at 32/8 d128, 16/2 d256, 9/3 d64, batch
   // 1-64; 256 bytes up to 5% more); 8-bit rows at head_dim 128 256 bytes (0.8-2.5% less at 32/8 heads, batch 8 with
@@ -67,7 +74,7 @@ struct Cfg {
   // up to 8% more at batch 8-64 with 128k). At head_dim 64 256 bytes ranged from 12% less (9/3 heads, batch 64
   // with 4k) to 14% more (batch 1 with 128k), and at 256 it stayed within 1.3%, so those copy without one.
   static constexpr int kPrefetch = !kQuant ? 128 : (HD == 128 ? 256 : 0);
-  static constexpr int kVStride = kSpan + 16;
+  static constexpr int kVStride = kLines ? kSpan : kSpan + 16;
   static constexpr int kNB = HD / kBlock;
   static constexpr int kScaleBytes = kQuant ? NH * kNB * 2 : 0;  // per row
   static constexpr int kKOff = 0;
@@ -75,15 +82,16 @@ struct Cfg {
   static constexpr int kKSOff = kVOff + kTile * kVStride;
   static constexpr int kVSOff = kKSOff + kTile * kScaleBytes;
   static constexpr int kMaskOff = kVSOff + kTile * kScaleBytes;
-  static constexpr int kStageBytes = kMaskOff + 16;
-  // Four warps of at least two stages each in 72 KB, so that three CTAs share an H100/H200 SM. Where they
-  // need more but fit 110 KB (8-bit rows at head_dim 256), four warps and two CTAs per SM: on an H200 that
-  // took up to 17% less time than two warps in three CTAs (16/2 heads, batch 1-64, 1k-256k tokens; at most
-  // 1% more anywhere). Otherwise (bf16 at head_dim 256) two warps in 72 KB. Two CTAs of four warps with
-  // deeper rings everywhere were slower for head_dim 64 and 128 (up to 11%).
-  // 8-bit rows up to head_dim 128 with at most 8 query rows fit 128 registers: four CTAs in 56 KB each (at
-  // d128 two stages instead of three). On an H200 that took 3-6% less time at batch 1 with 128k tokens, 14-23%
-  // at batch 64 with 1k-4k tokens (32/8 d128); it lost only on fp8 at batch 64 with 128k tokens (6-7% more).
+  static constexpr int kStageBytes = (kMaskOff + 16 + 127) / 128 * 128;  // stages start on 128-byte lines
+  // Four warps of at least two stages each in 72 KB, so that three CTAs share an H100/H200 SM. Where they need more
+  // but fit 110 KB (8-bit rows at head_dim 256 before their rows lost the pads: since then they would fit three CTAs,
+  // whose 168 registers spill, so they stay at two, in 99 KB), four warps and two CTAs per SM: on an H200 that took up
+  // to 17% less time than two warps in three CTAs (16/2 heads, batch 1-64, 1k-256k tokens; at most 1% more anywhere).
+  // Otherwise (bf16 at head_dim 256) two warps in 72 KB. Two CTAs of four warps with deeper rings everywhere were
+  // slower for head_dim 64 and 128 (up to 11%). 8-bit rows up to head_dim 128 with at most 8 query rows fit 128
+  // registers: four CTAs in 56 KB each (at d128 three stages, two before the rows lost their pads). On an H200 that
+  // took 3-6% less time at batch 1 with 128k tokens, 14-23% at batch 64 with 1k-4k tokens (32/8 d128); it lost only on
+  // fp8 at batch 64 with 128k tokens (6-7% more).
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
   // Column warps (COLS > 1) take the CTA counts above, and after their rings two buffers of every warp's partial
   // scores (split_kernel).
@@ -100,9 +108,9 @@ struct Cfg {
   static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8 && NH == 1;
   static constexpr int kWarps = COLS > 1 ? COLS : 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
   static constexpr int kCtasPerSm =
-      kFour ? 4 : NH > 1 ? 3 : (kWarps == 4 && 4 * 2 * kStageBytes > 72 * 1024 ? 2 : 3);
+      kFour ? 4 : NH > 1 ? 3 : (kWarps == 4 && (kQuant && HD == 256 || 4 * 2 * kStageBytes > 72 * 1024) ? 2 : 3);
   static constexpr int kXchBytes = COLS > 1 ? 2 * COLS * 32 * (GMAX > 8 ? 8 : 4) * 4 : 0;
-  static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? (COLS > 1 ? 74 : 72) : 110) * 1024;
+  static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? (COLS > 1 ? 74 : 72) : 99) * 1024;
   static constexpr int kStages = std::min(4, (kSmemPerCta - kXchBytes) / (kWarps * kStageBytes));
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   static constexpr int kXchOff = kRing;
@@ -114,6 +122,26 @@ struct Cfg {
   static constexpr int kRW = kRowBytes / 64;                   // 8-byte words per lane and value row
   static constexpr int kEPW = 8 / static_cast<int>(sizeof(S));  // elements per 8-byte word
   static_assert(kStages >= 2, "decode_tc: a tile does not fit twice");
+  // Offsets in a stage of byte o of key (value) row r. Bits 5-6 are XORed with the row (bit 6 for unquantized keys),
+  // which never moves a byte out of its 128-byte span: rows 0-3 (keys) or rows 2 tig (values), read together by
+  // a half warp, land in different banks.
+  static __device__ __forceinline__ int k_at(int r, int o) {
+    const int x = kSwizzle ? (r & 1) << 6 : (kQuant && kLines ? (r & 3) << 5 : 0);
+    return kKOff + ((r * kKStride + o) ^ x);
+  }
+  static __device__ __forceinline__ int v_at(int r, int o) {
+    const int x = kLines ? ((r >> 1) & 3) << 5 : 0;
+    return kVOff + ((r * kVStride + o) ^ x);
+  }
+  // Byte o of row r of the warp's kv head h (h bytes into the slice) in stage st.
+  static __device__ __forceinline__ const unsigned char* k_row(const unsigned char* st, int h, int r, int o) {
+    if constexpr (kLines || kSwizzle) return st + k_at(r, h + o);
+    else return st + h + kKOff + r * kKStride + o;  // padded rows: in this order ptxas keeps them unspilled
+  }
+  static __device__ __forceinline__ const unsigned char* v_row(const unsigned char* st, int h, int r, int o) {
+    if constexpr (kLines) return st + v_at(r, h + o);
+    else return st + h + kVOff + r * kVStride + o;
+  }
   static_assert(kSmem <= 99 * 1024, "decode_tc: a CTA must fit sm_89 and sm_120");
 };
 
@@ -386,9 +414,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
     pdm.divmod(t0, idx0, off0);
     // Piece pc of row r, from ksrc / vsrc (16 bytes, or zeros when !ok).
     auto copy = [&](int r, int pc, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
-      const int kphys = C::kSwizzle ? pc ^ ((r & 1) << 2) : pc;
-      cp_async16<C::kPrefetch>(st_addr + C::kKOff + r * C::kKStride + kphys * 16, ksrc, ok ? 16 : 0);
-      cp_async16<C::kPrefetch>(st_addr + C::kVOff + r * C::kVStride + pc * 16, vsrc, ok ? 16 : 0);
+      cp_async16<C::kPrefetch>(st_addr + C::k_at(r, pc * 16), ksrc, ok ? 16 : 0);
+      cp_async16<C::kPrefetch>(st_addr + C::v_at(r, pc * 16), vsrc, ok ? 16 : 0);
     };
     // Row r's page (-1 past the end or outside the cache) and offset in it, for tiles that straddle pages.
     auto locate = [&](int r, int64_t& page, int& off) {
@@ -549,7 +576,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       auto& m = m_all[hh];
       auto& l = l_all[hh];
       auto& o = o_all[hh];
-      const unsigned char* sth = st + hh * C::kRowBytes;
+      const int hoff = hh * C::kRowBytes;  // the kv head's bytes in the warp's slice
       const uint16_t* kss = kss_tile + hh * C::kNB;  // row t's block scales at t * kSR
       const uint16_t* vss = vss_tile + hh * C::kNB;
       constexpr int kSR = NH * C::kNB;
@@ -563,7 +590,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int row = nt * 8 + gid;
-          const unsigned char* krow = sth + C::kKOff + row * C::kKStride;
           float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           if constexpr (kQuant) {
             const int t0 = nt * 8 + 2 * tig;
@@ -574,7 +600,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
             for (int blk = 0; blk < C::kNB; ++blk) {
               uint32_t h[4];
-              raw8_to_half<S>(*reinterpret_cast<const uint2*>(krow + 32 * blk + 8 * tig), h);
+              raw8_to_half<S>(*reinterpret_cast<const uint2*>(C::k_row(st, hoff, row, 32 * blk + 8 * tig)), h);
               float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
               mma16816<QT>(part, qa[2 * blk], h[0], h[1]);
               mma16816<QT>(part, qa[2 * blk + 1], h[2], h[3]);
@@ -588,8 +614,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
             for (int ic = 0; ic < C::kNC / 4; ++ic) {
               const int chunk = 4 * ic + tig;
-              const int phys = C::kSwizzle ? chunk ^ ((row & 1) << 2) : chunk;
-              const uint4 raw = *reinterpret_cast<const uint4*>(krow + phys * 16);
+              const uint4 raw = *reinterpret_cast<const uint4*>(C::k_row(st, hoff, row, chunk * 16));
               const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
               for (int i = 0; i < C::kKPC; ++i) mma16816<QT>(acc, qa[ic * C::kKPC + i], w[2 * i], w[2 * i + 1]);
@@ -602,8 +627,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
         // At most 8 query rows: S^T = K Q^T, the 16 tokens as the m rows (gid and gid + 8 read and held) and the
         // heads as the n columns (2 tig, 2 tig + 1 held), so that no half of an mma is padding; an in-register
         // transpose then gives the thread the layout above. The query fragments serve as B unchanged.
-        const unsigned char* k0 = sth + C::kKOff + gid * C::kKStride;
-        const unsigned char* k8 = k0 + 8 * C::kKStride;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // tokens gid (0, 1) and gid + 8 (2, 3) x heads 2 tig + {0, 1}
         if constexpr (kQuant) {
           uint16_t sc0[C::kNB], sc8[C::kNB];
@@ -613,8 +636,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
           for (int blk = 0; blk < C::kNB; ++blk) {
             uint32_t h0[4], h8[4];
-            raw8_to_half<S>(*reinterpret_cast<const uint2*>(k0 + 32 * blk + 8 * tig), h0);
-            raw8_to_half<S>(*reinterpret_cast<const uint2*>(k8 + 32 * blk + 8 * tig), h8);
+            raw8_to_half<S>(*reinterpret_cast<const uint2*>(C::k_row(st, hoff, gid, 32 * blk + 8 * tig)), h0);
+            raw8_to_half<S>(*reinterpret_cast<const uint2*>(C::k_row(st, hoff, gid + 8, 32 * blk + 8 * tig)), h8);
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const uint32_t a0[4] = {h0[0], h8[0], h0[1], h8[1]}, a1[4] = {h0[2], h8[2], h0[3], h8[3]};
             mma16816<QT>(part, a0, qa[2 * blk][0], qa[2 * blk][1]);
@@ -629,9 +652,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
           for (int ic = 0; ic < C::kNC / 4; ++ic) {
             const int chunk = 4 * ic + tig;
-            const int phys = C::kSwizzle ? chunk ^ ((gid & 1) << 2) : chunk;  // rows gid and gid + 8 alike
-            const uint4 r0 = *reinterpret_cast<const uint4*>(k0 + phys * 16);
-            const uint4 r8 = *reinterpret_cast<const uint4*>(k8 + phys * 16);
+            const uint4 r0 = *reinterpret_cast<const uint4*>(C::k_row(st, hoff, gid, chunk * 16));
+            const uint4 r8 = *reinterpret_cast<const uint4*>(C::k_row(st, hoff, gid + 8, chunk * 16));
             const uint32_t w0[4] = {r0.x, r0.y, r0.z, r0.w}, w8[4] = {r8.x, r8.y, r8.z, r8.w};
 #pragma unroll
             for (int i = 0; i < C::kKPC; ++i) {
@@ -740,7 +762,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       // ---- O^T += V^T P^T, the value columns as the m rows and the heads as the n columns (so that no half of an
       // mma is padding): thread reads 8-byte word gid + 8 r of value rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9;
       // elements 2 jj and 2 jj + 1 of the word are rows gid and gid + 8 of m-tile r * EPW / 2 + jj. In fp16 or T.
-      const unsigned char* vrow = sth + C::kVOff + 2 * tig * C::kVStride;
       auto pv = [&](auto half) {
         using M = std::conditional_t<decltype(half)::value, __half, T>;
         uint32_t pa[4];
@@ -752,10 +773,10 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
 #pragma unroll
         for (int r = 0; r < C::kRW; ++r) {
           const int wo = (gid + 8 * r) * 8;
-          const uint2 wa = *reinterpret_cast<const uint2*>(vrow + wo);
-          const uint2 wb = *reinterpret_cast<const uint2*>(vrow + C::kVStride + wo);
-          const uint2 wc = *reinterpret_cast<const uint2*>(vrow + 8 * C::kVStride + wo);
-          const uint2 wd = *reinterpret_cast<const uint2*>(vrow + 9 * C::kVStride + wo);
+          const uint2 wa = *reinterpret_cast<const uint2*>(C::v_row(st, hoff, 2 * tig, wo));
+          const uint2 wb = *reinterpret_cast<const uint2*>(C::v_row(st, hoff, 2 * tig + 1, wo));
+          const uint2 wc = *reinterpret_cast<const uint2*>(C::v_row(st, hoff, 2 * tig + 8, wo));
+          const uint2 wd = *reinterpret_cast<const uint2*>(C::v_row(st, hoff, 2 * tig + 9, wo));
           uint16_t sa = 0, sb = 0, sc = 0, sd = 0;
           if constexpr (kQuant) {
             const int blk = wo / kBlock;  // bytes == elements for 8-bit rows
