@@ -95,16 +95,17 @@ struct Cfg {
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
   // Column warps (COLS > 1) take the CTA counts above, and after their rings two buffers of every warp's partial
   // scores (split_kernel).
-  // Warps of kv-head pairs or threes take three CTAs of four warps per SM, three stages for pairs and two for threes
-  // (three times the bytes per tile); the launch bound holds them to 168 registers (pairs use 123-154, threes 168; no
-  // spills, sm_90). On an H200, against two CTAs per SM: threes (9/3 heads, q8_0 and fp8_e4m3, batch 1-64 with
-  // 4k-256k tokens, each with its fastest split count, two alternated processes) 1-4% less time than two CTAs of
-  // three stages (186-197 registers) at every shape that runs them (batch 64 with 32k tokens: q8_0 258.9 -> 249.9
-  // us), where CTAs of three warps, four per SM, led at some shapes (0.93x) and lost up to 16% at others (batch 1
-  // with 256k tokens); pairs (32/8 and 16/4 heads, q8_0 and fp8_e4m3, batch 1-64 with 1k-256k tokens where the
-  // plan runs them, same split counts, three alternated processes) 0.93-1.00x the time of two CTAs of four stages
-  // (16/4 heads at batch 1 with 128k tokens fp8_e4m3 29.9 -> 27.8 us, 32/8 at batch 8 with 8k q8_0 28.9 -> 27.5).
-  // On sm_89 and sm_120 (one CTA per SM either way) this leaves pairs three stages instead of four: not measured.
+  // Warps of kv-head pairs or threes take three CTAs of four warps per SM, four stages for pairs (three while the rows
+  // were padded, as in the measurements below) and two for threes (three times the bytes per tile); the launch bound
+  // holds them to 168 registers (pairs use 123-154, threes 168; no spills, sm_90). On an H200, against two CTAs per
+  // SM: threes (9/3 heads, q8_0 and fp8_e4m3, batch 1-64 with 4k-256k tokens, each with its fastest split count, two
+  // alternated processes) 1-4% less time than two CTAs of three stages (186-197 registers) at every shape that runs
+  // them (batch 64 with 32k tokens: q8_0 258.9 -> 249.9 us), where CTAs of three warps, four per SM, led at some
+  // shapes (0.93x) and lost up to 16% at others (batch 1 with 256k tokens); pairs (32/8 and 16/4 heads, q8_0 and
+  // fp8_e4m3, batch 1-64 with 1k-256k tokens where the plan runs them, same split counts, three alternated processes)
+  // 0.93-1.00x the time of two CTAs of four stages (16/4 heads at batch 1 with 128k tokens fp8_e4m3 29.9 -> 27.8 us,
+  // 32/8 at batch 8 with 8k q8_0 28.9 -> 27.5). On sm_89 and sm_120 (one CTA per SM either way) pairs had three stages
+  // instead of four while their rows were padded (not measured), four again since.
   static constexpr bool kFour = kQuant && HD <= 128 && GMAX <= 8 && NH == 1;
   static constexpr int kWarps = COLS > 1 ? COLS : 4 * 2 * kStageBytes <= 110 * 1024 ? 4 : 2;
   static constexpr int kCtasPerSm =
