@@ -64,9 +64,9 @@ struct Cfg {
   // threads; value rows in 8-byte words. kLines: the slice is whole 128-byte lines (or half of one), kept whole in
   // the ring and XOR-permuted inside (k_at, v_at); otherwise (192 bytes) 8-bit key rows padded by 32 bytes and value
   // rows by 16, which keeps those loads free of bank conflicts too.
-  static constexpr bool kSwizzle = !kQuant && kNC >= 8;
   static constexpr bool kLines = kSpan % 128 == 0 || kSpan == 64;
   static constexpr int kKStride = kQuant && !kLines ? kSpan + 32 : kSpan;
+  static_assert(kQuant || kLines, "decode_tc: unquantized rows are whole 128-byte lines");
   // L2 prefetch hint of the row copies (cp_async16), measured on an H200 against none or the other size:
   // unquantized rows 128 bytes (1.5-3% less time for bf16 from 4k tokens at 32/8 d128, 16/2 d256, 9/3 d64, batch
   // 1-64; 256 bytes up to 5% more); 8-bit rows at head_dim 128 256 bytes (0.8-2.5% less at 32/8 heads, batch 8 with
@@ -127,7 +127,7 @@ struct Cfg {
   // which never moves a byte out of its 128-byte span: rows 0-3 (keys) or rows 2 tig (values), read together by
   // a half warp, land in different banks.
   static __device__ __forceinline__ int k_at(int r, int o) {
-    const int x = kSwizzle ? (r & 1) << 6 : (kQuant && kLines ? (r & 3) << 5 : 0);
+    const int x = !kQuant ? (r & 1) << 6 : kLines ? (r & 3) << 5 : 0;
     return kKOff + ((r * kKStride + o) ^ x);
   }
   static __device__ __forceinline__ int v_at(int r, int o) {
@@ -136,7 +136,7 @@ struct Cfg {
   }
   // Byte o of row r of the warp's kv head h (h bytes into the slice) in stage st.
   static __device__ __forceinline__ const unsigned char* k_row(const unsigned char* st, int h, int r, int o) {
-    if constexpr (kLines || kSwizzle) return st + k_at(r, h + o);
+    if constexpr (kLines) return st + k_at(r, h + o);
     else return st + h + kKOff + r * kKStride + o;  // padded rows: in this order ptxas keeps them unspilled
   }
   static __device__ __forceinline__ const unsigned char* v_row(const unsigned char* st, int h, int r, int o) {
