@@ -89,7 +89,7 @@ struct Cfg {
   // to 17% less time than two warps in three CTAs (16/2 heads, batch 1-64, 1k-256k tokens; at most 1% more anywhere).
   // Otherwise (bf16 at head_dim 256) two warps in 72 KB. Two CTAs of four warps with deeper rings everywhere were
   // slower for head_dim 64 and 128 (up to 11%). 8-bit rows up to head_dim 128 with at most 8 query rows fit 128
-  // registers: four CTAs in 56 KB each (at d128 three stages, two before the rows lost their pads). On an H200 that
+  // registers: four CTAs in 56 KB each (at d128 two stages: kDepth below). On an H200 that
   // took 3-6% less time at batch 1 with 128k tokens, 14-23% at batch 64 with 1k-4k tokens (32/8 d128); it lost only on
   // fp8 at batch 64 with 128k tokens (6-7% more).
   // Every choice fits the 99 KB that one CTA may have on sm_89 and sm_120.
@@ -112,7 +112,11 @@ struct Cfg {
       kFour ? 4 : NH > 1 ? 3 : (kWarps == 4 && (kQuant && HD == 256 || 4 * 2 * kStageBytes > 72 * 1024) ? 2 : 3);
   static constexpr int kXchBytes = COLS > 1 ? 2 * COLS * 32 * (GMAX > 8 ? 8 : 4) * 4 : 0;
   static constexpr int kSmemPerCta = (kCtasPerSm == 4 ? 56 : kCtasPerSm == 3 ? (COLS > 1 ? 74 : 72) : 99) * 1024;
-  static constexpr int kStages = std::min(4, (kSmemPerCta - kXchBytes) / (kWarps * kStageBytes));
+  // 8-bit head_dim 128 rows keep the ring as deep as it was while they were padded (two stages in four CTAs per SM,
+  // three in three): on an H200 the stage more that their unpadded rows fit took 9-13% more time wherever the cache
+  // outgrew L2 by far (32/8 heads, batch 8 with 128k tokens, batch 64 with 8k-128k), 0-3% at its other shapes.
+  static constexpr int kDepth = kQuant && HD == 128 ? (kFour ? 2 : 3) : 4;
+  static constexpr int kStages = std::min(kDepth, (kSmemPerCta - kXchBytes) / (kWarps * kStageBytes));
   static constexpr int kRing = kWarps * kStages * kStageBytes;
   static constexpr int kXchOff = kRing;
   // The ring is reused at the end to combine the warps' partials ([warps][16][HD] + [warps][16][2] floats).
