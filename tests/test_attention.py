@@ -122,6 +122,32 @@ def test_triton_decode_modes(fmt, dtype, mode):
 
 
 @runs_triton
+@pytest.mark.parametrize("fmt, dtype, window, cap", [("q8_0", torch.bfloat16, -1, 0.0), ("fp8_e4m3", torch.float16, 200, 0.0),
+                                                     ("q8_0", torch.float16, -1, 30.0), ("fp8_e4m3", torch.bfloat16, -1, 0.0)])
+def test_triton_decode_one_warp_d256(fmt, dtype, window, cap):
+    """One-warp programs at head_dim 256, which the rule picks only for large grids: forced on small ones, with
+    splits that end inside pages and tiles, one sequence shorter than a tile and one that is empty."""
+    check_decode("triton", fmt, dtype, 16, 2, 256, 16, [700, 333, 17, 0], window, cap, config=(32, 5, 1, 2),
+                 device=TRITON_DEVICE)
+
+
+@pytest.mark.gpu
+def test_triton_decode_one_warp_d256_rule():
+    """The launch rule at head_dim 256: one-warp programs where the grid holds at least six per SM of at least six
+    tiles (16/2 heads, batch 64 with 4k tokens), two-warp ones where the split cap leaves fewer (batch 1 with
+    128k); and the one-warp launch it picks against the truth."""
+    from kvq.triton_backend import decode
+
+    def config(batch, tokens, hkv=2, fmt=torch.int8):
+        q = torch.empty(batch, 8 * hkv, 256, device="cuda", dtype=torch.bfloat16)
+        return decode._config(q, torch.empty(1, 16, hkv, 256, device="cuda", dtype=fmt), tokens)
+
+    assert config(64, 4096)[2] == 1 and config(64, 4096, fmt=torch.float8_e4m3fn)[2] == 1
+    assert config(1, 131072)[2] == 2 and config(64, 1024)[2] == 2
+    check_decode("triton", "q8_0", torch.bfloat16, 16, 2, 256, 16, [4096] * 63 + [3001], device="cuda")
+
+
+@runs_triton
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_head_dim_32(fmt, dtype):
     """One scale per row: the scale-after-dot kernel reads scales in pairs, so this runs dequantize-then-dot."""

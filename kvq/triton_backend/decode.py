@@ -373,8 +373,8 @@ def _config(query, k_cache, max_len, sad=None):
     count also makes the last wave short). The scale-after-dot kernel runs one warp per program up to head_dim
     128: a warp then owns its tiles' softmax, where four warps split each tile's columns and meet in shared
     memory for every row maximum and for P (on an H200, batch 1, 128k tokens: 22% less time at head_dim 128,
-    47% less at 64). Programs of a single tile are the exception (below). At head_dim 256 one warp's
-    registers cannot hold the query and the accumulators.
+    47% less at 64). Programs of a single tile are the exception (below). At head_dim 256 the query and the
+    accumulators fill a warp's registers, so one-warp programs run only where the grid is large (below).
     """
     batch, _, d = query.shape
     hkv = k_cache.shape[2]
@@ -396,18 +396,27 @@ def _config(query, k_cache, max_len, sad=None):
         # more CTAs in flight.
         block_n, per_sm, warps, stages = (64 if d <= 128 else 32), (4 if plain else 8), 4, (3 if d <= 128 else 2)
 
-    def split_count(block_n):
+    def split_count(block_n, per_sm):
         return max(1, min(round(per_sm * sms / (batch * hkv)), triton.cdiv(max_len, block_n), 256))
 
-    splits = split_count(block_n)
+    if sad and d > 128:
+        # One-warp programs of 32-token tiles at head_dim 256 (255 registers, a few spilled; six fit an H200 SM by
+        # shared memory) where there are at least six per SM, each of at least six tiles. On an H200 against the
+        # two-warp programs below, alternated in one process: q8_0 0.83-0.89x the time at 16/2 heads (batch 8 with
+        # 32k-128k tokens, batch 64 with 4k-32k) and 0.86-0.94x at 32/4, 32/8, 16/8 and 16/16 heads; fp8_e4m3
+        # 0.89-0.97x. Where the split cap or the sequence leaves fewer or shorter programs (batch 1 with 128k tokens
+        # at 16/2 heads: 512 programs, 8/1 heads: 256; batch 64 with 1k: four tiles each) they took up to 26% more.
+        one = split_count(32, 8)
+        if one * batch * hkv >= 6 * sms and triton.cdiv(max_len, one * 32) >= 6:
+            return 32, one, 1, 2
+    splits = split_count(block_n, per_sm)
     tiles = triton.cdiv(max_len, splits * block_n)  # per program
     if sad and d <= 128 and tiles < 4:
         # One-warp programs of under four tiles spend more on their partials and the merge than the extra
         # programs buy: splits for four programs per SM instead (on an H200, batch 1: 32/8 heads d64 with 8k
         # tokens 12.6 -> 9.9 us q8_0, 4k 8.0 -> 7.9; 32/8 and 64/8 d128 with 4k-8k 3-5% less; 9/3 d64 with 8k
         # 2% more).
-        per_sm = 4
-        splits = split_count(block_n)
+        splits = split_count(block_n, 4)
         tiles = triton.cdiv(max_len, splits * block_n)
     if sad and d > 128 and (tiles <= 1 or (tiles == 2 and splits * batch * hkv <= 2 * sms)):
         # Two warps suit programs that walk several tiles; four split each tile's columns between them, which
@@ -419,7 +428,7 @@ def _config(query, k_cache, max_len, sad=None):
         # tokens, 7.0 vs 9.1 at 1k; with batch 8 at 1k, where they would fill them twice, 15 vs 13 us).
         warps = 4
         if splits * batch * hkv <= sms:
-            block_n, splits = 32, split_count(32)
+            block_n, splits = 32, split_count(32, per_sm)
     elif sad and d > 64 and tiles <= 1 and splits * batch * hkv <= 2 * sms:
         # The same for one-tile programs at head_dim 128, where they fill the SMs at most twice (on an H200,
         # batch 1 with 1k tokens: 4-8% less time at 32/8 heads; 32/8 with 2k, 512 programs, 2% more). At head_dim
@@ -452,8 +461,8 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     fmt = cache_format(k_cache)
     sad = _uses_sad(mode, fmt, d)
     block_n, splits, warps, stages = config[:4] if config else _config(query, k_cache, max_len, sad)
-    # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each), for
-    # q8_0 and for e4m3 with the convert instruction (the interpreter runs no inline assembly). On an H200, against
+    # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each; at 256
+    # the one-warp programs were measured with words only), for q8_0 and for e4m3 with the convert instruction (the interpreter runs no inline assembly). On an H200, against
     # the byte path in the same run (1k-128k tokens, batch 1-64): at head_dim 64 q8_0 2-20% less time (9/3 heads,
     # batch 1, 128k tokens: 37.0 -> 29.7 us), fp8 13% less to 2% more; at 128 q8_0 11% less to 1% more (32/8
     # heads, batch 1, 128k: 120.7 -> 115.6 us), fp8 9% less to 3% more; but at 40/8 heads (five query heads per
