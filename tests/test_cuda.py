@@ -210,9 +210,10 @@ def test_decode_every_merge(fmt, hq, hkv, d, batch, splits):
     shorter than the split count (empty splits), one token and none."""
     from kvq.backends import pinned_cuda_kernel
 
+    ops = backend_ops("cuda")  # skips where kvq._C is not the active backend, before the pin needs it
     lens = [0, 1, 3, 300, 2049][:batch] + torch.randint(0, 3000, (max(0, batch - 5),)).tolist()
     with pinned_cuda_kernel("set_decode_splits", str(splits)):
-        out, ref = _decode_case(backend_ops("cuda"), fmt, torch.bfloat16, lens, hq, hkv, d, 16)
+        out, ref = _decode_case(ops, fmt, torch.bfloat16, lens, hq, hkv, d, 16)
     _assert_close(out, ref, lens)
 
 
@@ -327,13 +328,13 @@ def _bf16_pv_bound(q, p, sm_scale, truth):
 
 
 @pytest.mark.parametrize("sm_scale,softcap", [(math.inf, 0.0), (math.nan, 0.0), (0.1, math.inf)])
-def test_direct_op_call_refuses_non_finite_scalars(sm_scale, softcap):
+def test_direct_op_call_refuses_non_finite_scalars(ops, sm_scale, softcap):
     """A direct torch.ops.kvq call on CUDA tensors refuses non-finite scalars (the C++ adapter checks them too)."""
     p = random_paged([40], 16, 2, 64, torch.int8, device="cuda")
     q = torch.randn(1, 4, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="sm_scale|logit_softcap"):
-        torch.ops.kvq.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
-                                       sm_scale, -1, softcap, torch.empty_like(q))
+        ops.decode_attention(q, p.k_cache, p.v_cache, p.k_scale, p.v_scale, p.block_table, p.seq_lens,
+                             sm_scale, -1, softcap, torch.empty_like(q))
 
 
 def test_decode_guards_pages_out_of_range_with_checks_off(decode_ops):
@@ -407,7 +408,7 @@ def test_cuda_graph_replay_equals_eager(decode_ops, fmt):
                 c.copy_(s)
 
 
-def test_direct_op_calls_refuse_bad_metadata():
+def test_direct_op_calls_refuse_bad_metadata(ops):
     """torch.ops.kvq on CUDA tensors reaches the C++ adapters directly: they refuse, with a ValueError that names
     the problem, what would otherwise reach a kernel (overlapping pages or outputs, no query heads, tokens
     without a sequence, positions past the kernels' 32-bit arithmetic, one plane passed as both K and V)."""
@@ -420,49 +421,49 @@ def test_direct_op_calls_refuse_bad_metadata():
     half = p.k_cache.as_strided(p.k_cache.shape, (p.k_cache.stride(0) // 2,) + p.k_cache.stride()[1:])
     key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="k_cache has a page stride of 1024 elements, less than a page"):
-        torch.ops.kvq.store_kv(key, key, half, p.v_cache, p.k_scale, p.v_scale, torch.arange(3, device="cuda"))
+        ops.store_kv(key, key, half, p.v_cache, p.k_scale, p.v_scale, torch.arange(3, device="cuda"))
 
     # One plane passed as both K and V: the values would overwrite the keys.
     slots = torch.arange(3, device="cuda")
     with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
-        torch.ops.kvq.store_kv(key, key, p.k_cache, p.k_cache, p.k_scale, p.v_scale, slots)
+        ops.store_kv(key, key, p.k_cache, p.k_cache, p.k_scale, p.v_scale, slots)
     with pytest.raises(ValueError, match="k_scale and v_scale are the same memory"):
-        torch.ops.kvq.store_kv(key, key, p.k_cache, p.v_cache, p.k_scale, p.k_scale, slots)
+        ops.store_kv(key, key, p.k_cache, p.v_cache, p.k_scale, p.k_scale, slots)
 
     # An output whose rows share memory.
     shared = torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda").expand(2, 4, 64)
     with pytest.raises(ValueError, match="out has elements that share memory"):
-        torch.ops.kvq.decode_attention(q, *caches, table, lens, 0.1, -1, 0.0, shared)
+        ops.decode_attention(q, *caches, table, lens, 0.1, -1, 0.0, shared)
 
     # A query with no heads.
     q0 = torch.empty(2, 0, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="query has 0 heads"):
-        torch.ops.kvq.decode_attention(q0, *caches, table, lens, 0.1, -1, 0.0, torch.empty_like(q0))
+        ops.decode_attention(q0, *caches, table, lens, 0.1, -1, 0.0, torch.empty_like(q0))
 
     # Extend: tokens but no sequence (cu_seqlens_q of one entry).
     qx = torch.randn(5, 4, 64, dtype=torch.bfloat16, device="cuda")
     kx = torch.randn(5, 2, 64, dtype=torch.bfloat16, device="cuda")
     none = torch.zeros(0, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="cu_seqlens_q describes no sequence"):
-        torch.ops.kvq.extend_attention(qx, kx, kx, *caches, table[:0], none, torch.zeros(1, dtype=torch.int32,
-                                       device="cuda"), 0.1, True, -1, 0.0, torch.empty_like(qx))
+        ops.extend_attention(qx, kx, kx, *caches, table[:0], none, torch.zeros(1, dtype=torch.int32,
+                             device="cuda"), 0.1, True, -1, 0.0, torch.empty_like(qx))
 
     # A block table addressing more than 2^30 positions (max_pages x page_size).
     wide = torch.zeros(2, (1 << 30) // 16 + 1, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="block_table addresses 1073741840 tokens"):
-        torch.ops.kvq.decode_attention(q, *caches, wide, lens, 0.1, -1, 0.0, torch.empty_like(q))
+        ops.decode_attention(q, *caches, wide, lens, 0.1, -1, 0.0, torch.empty_like(q))
 
     # Messages name dequantize's own arguments and dtypes as Python spells them; scalars print in %g.
     with pytest.raises(ValueError, match="kvq.dequantize: scale has shape"):
-        torch.ops.kvq.dequantize(p.k_cache, p.k_scale[:, :8], torch.arange(3, device="cuda"), torch.bfloat16)
+        ops.dequantize(p.k_cache, p.k_scale[:, :8], torch.arange(3, device="cuda"), torch.bfloat16)
     f32 = torch.zeros(4, 16, 2, 64, device="cuda")
     with pytest.raises(ValueError, match="cache has dtype torch.float32; expected torch.int8 or"):
-        torch.ops.kvq.dequantize(f32, None, torch.arange(3, device="cuda"), torch.bfloat16)
+        ops.dequantize(f32, None, torch.arange(3, device="cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="sm_scale must be positive and finite, got -1e-09"):
-        torch.ops.kvq.decode_attention(q, *caches, table, lens, -1e-9, -1, 0.0, torch.empty_like(q))
+        ops.decode_attention(q, *caches, table, lens, -1e-9, -1, 0.0, torch.empty_like(q))
 
 
-def test_decode_refuses_pages_of_2_gib():
+def test_decode_refuses_pages_of_2_gib(ops):
     """The decode kernels address a row inside its page in 32 bits: a page of 2 GiB or more (one page per long
     sequence) is refused before any kernel runs."""
     pages, page_size, hkv, d = 1, 131072, 64, 256  # 131072 x 64 x 256 int8 = 2^31 bytes
@@ -472,4 +473,4 @@ def test_decode_refuses_pages_of_2_gib():
     table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
     lens = torch.tensor([5], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="a page of k_cache holds 2147483648 bytes"):
-        torch.ops.kvq.decode_attention(q, cache, cache, scale, scale, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
+        ops.decode_attention(q, cache, cache, scale, scale, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
