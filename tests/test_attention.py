@@ -122,8 +122,10 @@ def test_triton_decode_modes(fmt, dtype, mode):
 
 
 @runs_triton
-@pytest.mark.parametrize("fmt, dtype, window, cap", [("q8_0", torch.bfloat16, -1, 0.0), ("fp8_e4m3", torch.float16, 200, 0.0),
-                                                     ("q8_0", torch.float16, -1, 30.0), ("fp8_e4m3", torch.bfloat16, -1, 0.0)])
+@pytest.mark.parametrize("fmt, dtype, window, cap", [("q8_0", torch.bfloat16, -1, 0.0),
+                                                     ("fp8_e4m3", torch.float16, 200, 0.0),
+                                                     ("q8_0", torch.float16, -1, 30.0),
+                                                     ("fp8_e4m3", torch.bfloat16, -1, 0.0)])
 def test_triton_decode_one_warp_d256(fmt, dtype, window, cap):
     """One-warp programs at head_dim 256, which the rule picks only for large grids: forced on small ones, with
     splits that end inside pages and tiles, one sequence shorter than a tile and one that is empty."""

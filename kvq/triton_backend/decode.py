@@ -461,16 +461,16 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     fmt = cache_format(k_cache)
     sad = _uses_sad(mode, fmt, d)
     block_n, splits, warps, stages = config[:4] if config else _config(query, k_cache, max_len, sad)
-    # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each; at 256
-    # the one-warp programs were measured with words only), for q8_0 and for e4m3 with the convert instruction (the interpreter runs no inline assembly). On an H200, against
-    # the byte path in the same run (1k-128k tokens, batch 1-64): at head_dim 64 q8_0 2-20% less time (9/3 heads,
-    # batch 1, 128k tokens: 37.0 -> 29.7 us), fp8 13% less to 2% more; at 128 q8_0 11% less to 1% more (32/8
-    # heads, batch 1, 128k: 120.7 -> 115.6 us), fp8 9% less to 3% more; but at 40/8 heads (five query heads per
-    # kv head), whose byte path ran 8% faster than 32/8 heads on the same bytes, 1-8% more. Also q8_0 in two-warp
-    # programs (head_dim 256, several tiles each), where the bytes are gathered one at a time from shared memory
-    # and spill (sm_90: 255 registers and 8 bytes of stack, 168 and none with words): 2-3% less time at 16/2
-    # heads (batch 1 with 128k tokens, 8 with 32k, 64 with 4k-8k), 0.4% more at batch 1 with 32k; fp8 there
-    # 1% less to 3% more, and four-warp single-tile programs 1-9% more, so they keep the bytes.
+    # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each; at 256 the
+    # one-warp programs were measured with words only), for q8_0 and for e4m3 with the convert instruction (the
+    # interpreter runs no inline assembly). On an H200, against the byte path in the same run (1k-128k tokens, batch
+    # 1-64): at head_dim 64 q8_0 2-20% less time (9/3 heads, batch 1, 128k tokens: 37.0 -> 29.7 us), fp8 13% less to 2%
+    # more; at 128 q8_0 11% less to 1% more (32/8 heads, batch 1, 128k: 120.7 -> 115.6 us), fp8 9% less to 3% more; but
+    # at 40/8 heads (five query heads per kv head), whose byte path ran 8% faster than 32/8 heads on the same bytes,
+    # 1-8% more. Also q8_0 in two-warp programs (head_dim 256, several tiles each), where the bytes are gathered one at
+    # a time from shared memory and spill (sm_90: 255 registers and 8 bytes of stack, 168 and none with words): 2-3%
+    # less time at 16/2 heads (batch 1 with 128k tokens, 8 with 32k, 64 with 4k-8k), 0.4% more at batch 1 with 32k; fp8
+    # there 1% less to 3% more, and four-warp single-tile programs 1-9% more, so they keep the bytes.
     e4m3_cvt = has_e4m3_cvt(query.device)
     pdl = _PDL and batch == 1 and not INTERPRET and has_pdl(query.device)
     wait = _SPLIT_PDL and pdl
