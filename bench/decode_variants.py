@@ -41,11 +41,12 @@ def variants(fmt, case, extra):
     kc = torch.empty(1, PAGE, hkv, d, device="cuda", dtype=FORMATS[fmt])
     max_len = math.ceil(length / PAGE) * PAGE
     if fmt == "bf16":
-        return [("plain", tuple(tdec._config(q, kc, max_len)), True)]
+        return [("plain", tuple(tdec._config(q, kc, max_len))[:4], True)]
     out = []
     for mode, name in MODES:
-        cfg = tuple(tdec._config(q, kc, max_len, tdec._uses_sad(mode, tdec.cache_format(kc), d)))
-        out.append((name, cfg + (mode,), True))
+        *cfg, reg = tdec._config(q, kc, max_len, tdec._uses_sad(mode, tdec.cache_format(kc), d))
+        cfg = tuple(cfg)
+        out.append((name, cfg + (mode, reg), True))
         if extra and mode:
             bn, sp, w, st = cfg
             alts = [(bn, 2 * sp, w, st), (bn, max(1, sp // 2), w, st)]  # splits are a runtime argument: no compile
@@ -54,7 +55,7 @@ def variants(fmt, case, extra):
             for a in alts:
                 a = (a[0], min(a[1], triton.cdiv(max_len, a[0]))) + a[2:]
                 if a != cfg:
-                    out.append((name, a + (mode,), False))
+                    out.append((name, a + (mode, reg if a[2] == w and a[3] == st else None), False))
     return out
 
 

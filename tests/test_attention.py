@@ -149,6 +149,26 @@ def test_triton_decode_one_warp_d256_rule():
     check_decode("triton", "q8_0", torch.bfloat16, 16, 2, 256, 16, [4096] * 63 + [3001], device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
+def test_triton_decode_twelve_per_sm_rule(fmt, dtype):
+    """At head_dim 128 the rule caps one-warp programs' registers where twelve then fit an SM, and only there: not
+    for a grid of two programs per SM (8/1 heads, batch 1 with 128k tokens). The capped launch it picks (32/8 heads,
+    batch 2 with 40k and 33k tokens: many tiles per program), against the truth."""
+    from kvq.triton_backend import decode
+
+    def config(batch, hq, hkv, tokens):
+        q = torch.empty(batch, hq, 128, device="cuda", dtype=dtype)
+        return decode._config(q, torch.empty(1, 16, hkv, 128, device="cuda", dtype=FORMATS[fmt]), tokens)
+
+    twelve = decode._twelve_per_sm(torch.cuda.current_device())
+    block_n, splits, warps, stages, maxnreg = config(2, 32, 8, 40000)
+    assert (warps, maxnreg) == (1, decode._TWELVE_REGS if twelve else None)
+    assert 40000 >= 4 * splits * block_n  # four tiles or more per program
+    assert config(1, 8, 1, 131072)[3:] == (3, None)
+    check_decode("triton", fmt, dtype, 32, 8, 128, 16, [40000, 33333], device="cuda")
+
+
 @runs_triton
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_head_dim_32(fmt, dtype):

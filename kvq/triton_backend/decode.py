@@ -366,8 +366,22 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Registers per thread at which twelve one-warp programs share an SM: each of its four schedulers holds a quarter of
+# the 64K registers, so three warps of at most 170 (allocated in steps of 8).
+_TWELVE_REGS = 168
+
+
+@functools.lru_cache(maxsize=None)
+def _twelve_per_sm(device_index: int) -> bool:
+    """Whether twelve head_dim-128 one-warp programs (two stages: about 12 KB of shared memory each, with the KB the
+    GPU reserves per program) fit one SM: on sm_90 and sm_100 (228 KB), not on the 100 KB SMs of sm_89 and sm_120."""
+    p = torch.cuda.get_device_properties(device_index)
+    return p.regs_per_multiprocessor >= 65536 and p.shared_memory_per_multiprocessor >= 12 * 13 * 1024
+
+
 def _config(query, k_cache, max_len, sad=None):
-    """(BLOCK_N, num_splits, num_warps, num_stages), from shapes only; ``sad``: the scale-after-dot kernel runs.
+    """(BLOCK_N, num_splits, num_warps, num_stages, maxnreg), from shapes only; ``sad``: the scale-after-dot kernel
+    runs; ``maxnreg``: Triton's register cap per thread, or None.
 
     Splits: enough programs for several resident CTAs per SM (the work per program is uniform, so a large
     count also makes the last wave short). The scale-after-dot kernel runs one warp per program up to head_dim
@@ -380,12 +394,14 @@ def _config(query, k_cache, max_len, sad=None):
     hkv = k_cache.shape[2]
     if INTERPRET:
         # Small tiles and several splits so short test sequences cross tile, page and split boundaries.
-        return 16, max(1, min(4, triton.cdiv(max_len, 16))), 4, 1
+        return 16, max(1, min(4, triton.cdiv(max_len, 16))), 4, 1, None
     fmt = cache_format(k_cache)
     if sad is None:
         sad = _uses_sad(_SCALE_AFTER_DOT, fmt, d)
     plain = fmt == FMT_PLAIN
-    sms = _num_sms(query.device.index if query.device.index is not None else torch.cuda.current_device())
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    sms = _num_sms(index)
+    maxnreg = None
     if sad and d <= 128:
         # head_dim 64: half the bytes per tile, so more programs in flight (12 vs 8 per SM: up to 15% less time).
         block_n, per_sm, warps, stages = 32, (12 if d <= 64 else 8), 1, 3
@@ -408,7 +424,14 @@ def _config(query, k_cache, max_len, sad=None):
         # at 16/2 heads: 512 programs, 8/1 heads: 256; batch 64 with 1k: four tiles each) they took up to 26% more.
         one = split_count(32, 8)
         if one * batch * hkv >= 6 * sms and triton.cdiv(max_len, one * 32) >= 6:
-            return 32, one, 1, 2
+            return 32, one, 1, 2, None
+    if sad and 64 < d <= 128 and _twelve_per_sm(index):
+        # At head_dim 128 the one-warp programs compile to 168-175 registers, so eight share an SM. Capped at 168
+        # with two stages, twelve do; the split count is rounded down so that they all fit one wave. Where that grid
+        # holds at least six programs per SM of at least four tiles each. PLACEHOLDER
+        twelve = max(1, min(12 * sms // (batch * hkv), triton.cdiv(max_len, 32), 256))
+        if twelve * batch * hkv >= 6 * sms and triton.cdiv(max_len, twelve * 32) >= 4:
+            return 32, twelve, 1, 2, _TWELVE_REGS
     splits = split_count(block_n, per_sm)
     tiles = triton.cdiv(max_len, splits * block_n)  # per program
     if sad and d <= 128 and tiles < 4:
@@ -434,8 +457,8 @@ def _config(query, k_cache, max_len, sad=None):
         # batch 1 with 1k tokens: 4-8% less time at 32/8 heads; 32/8 with 2k, 512 programs, 2% more). At head_dim
         # 64, where one warp reads the values as words, one warp is faster (batch 1: 9/3 heads with 1k-2k tokens
         # 3-5% less time than four warps, 32/8 with 1k 5%).
-        warps, stages = 4, 2
-    return block_n, splits, warps, stages
+        warps, stages, maxnreg = 4, 2, None
+    return block_n, splits, warps, stages, maxnreg
 
 
 def _uses_sad(mode: int, fmt: int, d: int) -> bool:
@@ -447,7 +470,7 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
                      logit_softcap, out, *, config=None) -> None:
     """Shapes and semantics: :func:`kvq.ops.decode_attention`. ``config`` overrides :func:`_config` (tuning):
     ``(BLOCK_N, num_splits, num_warps, num_stages)``, optionally followed by a ``_SCALE_AFTER_DOT`` value for
-    8-bit caches."""
+    8-bit caches and a register cap per thread (Triton's ``maxnreg``; ``None`` for none)."""
     batch, hq, d = query.shape
     check_head_dim("decode_attention", d)
     if batch == 0:
@@ -460,7 +483,12 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
         raise ValueError(f"kvq.decode_attention: scale-after-dot mode must be 0, 1 or 2, got {mode}")
     fmt = cache_format(k_cache)
     sad = _uses_sad(mode, fmt, d)
-    block_n, splits, warps, stages = config[:4] if config else _config(query, k_cache, max_len, sad)
+    if config:
+        block_n, splits, warps, stages = config[:4]
+        maxnreg = config[5] if len(config) > 5 else None
+    else:
+        block_n, splits, warps, stages, maxnreg = _config(query, k_cache, max_len, sad)
+    launch = {} if maxnreg is None or INTERPRET else dict(maxnreg=maxnreg)
     # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each; at 256 the
     # one-warp programs were measured with words only), for q8_0 and for e4m3 with the convert instruction (the
     # interpreter runs no inline assembly). On an H200, against the byte path in the same run (1k-128k tokens, batch
@@ -488,7 +516,7 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
         block_table, block_table.stride(0), seq_lens.contiguous(), acc, ml, splits, sm_scale * _LOG2E, window_left,
         float(logit_softcap), k_cache.shape[0], max_len, PAGE_SIZE=page_size, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
         BLOCK_N=block_n, FMT=fmt, SOFTCAP=logit_softcap > 0, INTERP=INTERPRET,
-        E4M3_CVT=e4m3_cvt, PDL=pdl, WAIT=wait, num_warps=warps, num_stages=stages, launch_pdl=wait, **extra)
+        E4M3_CVT=e4m3_cvt, PDL=pdl, WAIT=wait, num_warps=warps, num_stages=stages, launch_pdl=wait, **extra, **launch)
     dc = min(d, 64)
     _decode_merge[(batch, hq, d // dc)](acc, ml, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d, DC=dc,
                                         CH=min(triton.next_power_of_2(splits), _MERGE_CHUNK), INTERP=INTERPRET,
