@@ -55,7 +55,7 @@ def variants(fmt, case, extra):
             for a in alts:
                 a = (a[0], min(a[1], triton.cdiv(max_len, a[0]))) + a[2:]
                 if a != cfg:
-                    out.append((name, a + (mode, reg if a[2] == w and a[3] == st else None), False))
+                    out.append((name, a + (mode, reg if a[0] == bn and a[2:] == (w, st) else None), False))
     return out
 
 
