@@ -401,7 +401,6 @@ def _config(query, k_cache, max_len, sad=None):
     plain = fmt == FMT_PLAIN
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
     sms = _num_sms(index)
-    maxnreg = None
     if sad and d <= 128:
         # head_dim 64: half the bytes per tile, so more programs in flight (12 vs 8 per SM: up to 15% less time).
         block_n, per_sm, warps, stages = 32, (12 if d <= 64 else 8), 1, 3
@@ -461,8 +460,8 @@ def _config(query, k_cache, max_len, sad=None):
         # batch 1 with 1k tokens: 4-8% less time at 32/8 heads; 32/8 with 2k, 512 programs, 2% more). At head_dim
         # 64, where one warp reads the values as words, one warp is faster (batch 1: 9/3 heads with 1k-2k tokens
         # 3-5% less time than four warps, 32/8 with 1k 5%).
-        warps, stages, maxnreg = 4, 2, None
-    return block_n, splits, warps, stages, maxnreg
+        warps, stages = 4, 2
+    return block_n, splits, warps, stages, None
 
 
 def _uses_sad(mode: int, fmt: int, d: int) -> bool:
