@@ -133,18 +133,23 @@ def test_triton_decode_one_warp_d256(fmt, dtype, window, cap):
                  device=TRITON_DEVICE)
 
 
+def _triton_rule(batch, hq, hkv, d, tokens, fmt, dtype):
+    """The Triton decode's launch rule (``_config``) for a CUDA query and cache of these shapes."""
+    from kvq.triton_backend import decode
+
+    q = torch.empty(batch, hq, d, device="cuda", dtype=dtype)
+    return decode._config(q, torch.empty(1, 16, hkv, d, device="cuda", dtype=FORMATS[fmt]), tokens)
+
+
 @pytest.mark.gpu
 def test_triton_decode_one_warp_d256_rule():
     """The launch rule at head_dim 256: one-warp programs where the grid holds at least six per SM of at least six
     tiles (16/2 heads, batch 64 with 4k tokens), two-warp ones where the split cap leaves fewer (batch 1 with
     128k); and the one-warp launch it picks against the truth."""
-    from kvq.triton_backend import decode
+    def config(batch, tokens, fmt="q8_0"):
+        return _triton_rule(batch, 16, 2, 256, tokens, fmt, torch.bfloat16)
 
-    def config(batch, tokens, hkv=2, fmt=torch.int8):
-        q = torch.empty(batch, 8 * hkv, 256, device="cuda", dtype=torch.bfloat16)
-        return decode._config(q, torch.empty(1, 16, hkv, 256, device="cuda", dtype=fmt), tokens)
-
-    assert config(64, 4096)[2] == 1 and config(64, 4096, fmt=torch.float8_e4m3fn)[2] == 1
+    assert config(64, 4096)[2] == 1 and config(64, 4096, "fp8_e4m3")[2] == 1
     assert config(1, 131072)[2] == 2 and config(64, 1024)[2] == 2
     check_decode("triton", "q8_0", torch.bfloat16, 16, 2, 256, 16, [4096] * 63 + [3001], device="cuda")
 
@@ -158,8 +163,7 @@ def test_triton_decode_twelve_per_sm_rule(fmt, dtype):
     from kvq.triton_backend import decode
 
     def config(batch, hq, hkv, tokens):
-        q = torch.empty(batch, hq, 128, device="cuda", dtype=dtype)
-        return decode._config(q, torch.empty(1, 16, hkv, 128, device="cuda", dtype=FORMATS[fmt]), tokens)
+        return _triton_rule(batch, hq, hkv, 128, tokens, fmt, dtype)
 
     twelve = decode._twelve_per_sm(torch.cuda.current_device())
     block_n, splits, warps, stages, maxnreg = config(2, 32, 8, 40000)

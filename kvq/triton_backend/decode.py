@@ -414,6 +414,13 @@ def _config(query, k_cache, max_len, sad=None):
     def split_count(block_n, per_sm):
         return max(1, min(round(per_sm * sms / (batch * hkv)), triton.cdiv(max_len, block_n), 256))
 
+    def one_warp(splits, min_tiles, maxnreg):
+        """One-warp programs of 32-token tiles and two stages, where the grid holds at least six per SM, each of at
+        least ``min_tiles`` tiles; else None."""
+        if splits * batch * hkv >= 6 * sms and triton.cdiv(max_len, splits * 32) >= min_tiles:
+            return 32, splits, 1, 2, maxnreg
+        return None
+
     if sad and d > 128:
         # One-warp programs of 32-token tiles at head_dim 256 (255 registers, a few spilled; six fit an H200 SM by
         # shared memory) where there are at least six per SM, each of at least six tiles. On an H200 against the
@@ -421,9 +428,9 @@ def _config(query, k_cache, max_len, sad=None):
         # 32k-128k tokens, batch 64 with 4k-32k) and 0.86-0.94x at 32/4, 32/8, 16/8 and 16/16 heads; fp8_e4m3
         # 0.89-0.97x. Where the split cap or the sequence leaves fewer or shorter programs (batch 1 with 128k tokens
         # at 16/2 heads: 512 programs, 8/1 heads: 256; batch 64 with 1k: four tiles each) they took up to 26% more.
-        one = split_count(32, 8)
-        if one * batch * hkv >= 6 * sms and triton.cdiv(max_len, one * 32) >= 6:
-            return 32, one, 1, 2, None
+        launch = one_warp(split_count(32, 8), 6, None)
+        if launch:
+            return launch
     if sad and 64 < d <= 128 and _twelve_per_sm(index):
         # At head_dim 128 the one-warp programs compile to 168-175 registers, so eight share an SM. Capped at 168
         # with two stages, twelve do; the split count is rounded down so that they all fit one wave (rounded up, 1600
@@ -432,9 +439,9 @@ def _config(query, k_cache, max_len, sad=None):
         # 42 shapes (32/8 heads at batch 1 with 128k tokens 112.8 -> 108.9 us q8_0; batch 64 with 4k 0.93-0.96x;
         # 32/4, 40/8, 64/8, 16/16 and 32/32 heads). Grids of two programs per SM (8/1 heads at batch 1) took 1.18x,
         # and programs of under four tiles (batch 1 with 8k-16k tokens) 1.03-1.09x, so they keep the eight.
-        twelve = max(1, min(12 * sms // (batch * hkv), triton.cdiv(max_len, 32), 256))
-        if twelve * batch * hkv >= 6 * sms and triton.cdiv(max_len, twelve * 32) >= 4:
-            return 32, twelve, 1, 2, _TWELVE_REGS
+        launch = one_warp(max(1, min(12 * sms // (batch * hkv), triton.cdiv(max_len, 32), 256)), 4, _TWELVE_REGS)
+        if launch:
+            return launch
     splits = split_count(block_n, per_sm)
     tiles = triton.cdiv(max_len, splits * block_n)  # per program
     if sad and d <= 128 and tiles < 4:
