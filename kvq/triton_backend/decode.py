@@ -12,8 +12,8 @@ Two launches, both sized from shapes only (no host sync, so CUDA graphs can capt
    to fp16 (``_common.dequant_f16``: no int->float conversion instructions, which would bound the kernel
    below memory bandwidth), and keeps an fp32 online softmax. It writes its unnormalised partial output
    and (max, sum). With an 8-bit cache and ``_SCALE_AFTER_DOT`` set, ``_decode_split_sad`` runs instead: it
-   feeds each [BLOCK_N, 32] block of codes to its own dot through one cast and applies the scales to the
-   fp32 scores and to P (see its docstring).
+   feeds each [BLOCK_N, 32] block of codes to its own dot through one cast (at head_dim 128 the key blocks of
+   whole rows to one batched dot) and applies the scales to the fp32 scores and to P (see its docstring).
 2. ``_decode_merge``, grid ``[batch, num_q_heads, head_dim / 64]``: combines the partials, up to
    ``_MERGE_CHUNK`` splits per step; at batch 1 on sm_90 and newer, launched as a programmatic dependent of the
    first (``_PDL``).
@@ -143,7 +143,7 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
 
 @triton.jit
 def _codes(ptrs, keep, FMT: tl.constexpr, INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
-    """A ``[BLOCK_N, 32]`` tile of 8-bit codes as exact fp16 values (fp32 under the interpreter). Without the
+    """A tile of 8-bit codes as exact fp16 values (fp32 under the interpreter). Without the
     e4m3 convert instruction the bits land in an fp16 as the value times 2^-8; the caller folds the 2^8 into
     the scale."""
     raw = tl.load(ptrs, mask=keep, other=0)
@@ -205,7 +205,7 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
                       PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                       D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr,
                       INTERP: tl.constexpr, E4M3_CVT: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
-                      V_AFTER: tl.constexpr, V_WORDS: tl.constexpr):
+                      V_AFTER: tl.constexpr, V_WORDS: tl.constexpr, K_ROWS: tl.constexpr):
     """``_decode_split`` for an 8-bit cache with the scales applied after the dots: per 32-column block b,
     ``S += (Q_b @ codes(K_b)^T) * kscale_b`` and ``acc_b += fp16(P * vscale_b / c_b) @ codes(V_b) * c_b``.
     Every code and scale is exact in fp16 and every product and sum is fp32, but the roundings differ from
@@ -213,7 +213,8 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
     largest scale of block b, keeps ``P * vscale`` clear of fp16 subnormals (and of overflow) whatever the
     scales' magnitude. ``V_AFTER`` False keeps the scale-after-dot for the scores only and dequantizes each
     [BLOCK_N, 32] value tile to fp16 as ``dequant_f16`` does (one P conversion per tile, no per-block max).
-    ``V_WORDS``: the value codes are read as int32 words (``_codes_from_words``)."""
+    ``V_WORDS``: the value codes are read as int32 words (``_codes_from_words``). ``K_ROWS``: the keys are read as
+    whole rows ``[BLOCK_N, D]`` and their NB blocks meet the query's in one batched dot (the same products and sums)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the merge may be scheduled (it waits for the partials)
     if WAIT:
@@ -233,22 +234,33 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
 
     g = tl.arange(0, GP)
     e = tl.arange(0, 32)
+    d = tl.arange(0, D)
     rows = h * G + g
-    q_row = q_ptr + b * sq_b + rows[:, None] * sq_h + e[None, :]
-    # Triton cannot index a tensor's columns dynamically: the query and the accumulator are kept as NB
-    # [GP, 32] blocks (tuples, unrolled with static_range).
-    q32 = ()
-    amax = tl.zeros([GP], tl.float32)
-    for bb in tl.static_range(NB):
-        qb = upcast(tl.load(q_row + bb * 32, mask=(g < G)[:, None], other=0.0), INTERP)
-        amax = tl.maximum(amax, tl.max(tl.abs(qb), axis=1))
-        q32 = q32 + (qb,)
-    mul = fp16_row_scale(amax)[:, None]  # see fp16_row_scale
+    if K_ROWS:
+        q = upcast(tl.load(q_ptr + b * sq_b + rows[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0),
+                   INTERP)
+        mul = fp16_row_scale(tl.max(tl.abs(q), axis=1))[:, None]  # see fp16_row_scale
+    else:
+        # Triton cannot index a tensor's columns dynamically: the query is kept as NB [GP, 32] blocks (a tuple,
+        # unrolled with static_range), and so is the accumulator below.
+        q_row = q_ptr + b * sq_b + rows[:, None] * sq_h + e[None, :]
+        q32 = ()
+        amax = tl.zeros([GP], tl.float32)
+        for bb in tl.static_range(NB):
+            qb = upcast(tl.load(q_row + bb * 32, mask=(g < G)[:, None], other=0.0), INTERP)
+            amax = tl.maximum(amax, tl.max(tl.abs(qb), axis=1))
+            q32 = q32 + (qb,)
+        mul = fp16_row_scale(amax)[:, None]  # see fp16_row_scale
     qk_row = qk_scale / mul
+    if K_ROWS:
+        # The query's NB blocks of 32 columns meet the keys' in one batched dot, [NB, GP, 32] @ [NB, 32, BLOCK_N],
+        # so that each key row is copied whole (one L2 request per row rather than one per 32-byte block).
+        q3 = tl.permute(tl.reshape(scaled_fp16(q, mul, INTERP), [GP, NB, 32]), [1, 0, 2])
     qs = ()
     accs = ()
     for bb in tl.static_range(NB):
-        qs = qs + (scaled_fp16(q32[bb], mul, INTERP),)
+        if not K_ROWS:
+            qs = qs + (scaled_fp16(q32[bb], mul, INTERP),)
         accs = accs + (tl.zeros([GP, 32], tl.float32),)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -257,27 +269,37 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
         n = n0 + tl.arange(0, BLOCK_N)
         page, keep = page_of(bt_ptr + b * sbt_b, n, n < stop, num_pages, PAGE_SIZE)
         off = (n % PAGE_SIZE)[:, None]
-        k_row = kc_ptr + (page * sk_page + off * (HKV * D) + h * D) + e[None, :]  # [BLOCK_N, 32]
+        k_base = kc_ptr + (page * sk_page + off * (HKV * D) + h * D)  # [BLOCK_N, 1]
+        k_row = k_base + e[None, :]  # [BLOCK_N, 32]
         v_base = vc_ptr + (page * sv_page + off * (HKV * D) + h * D)  # [BLOCK_N, 1]
         v_row = v_base + e[None, :]
         if V_WORDS:  # the same rows as int32 words (head_dim and the page stride are multiples of 32 bytes)
             v_words = v_base.to(tl.pointer_type(tl.int32)) + tl.arange(0, 8)[None, :]
         slot = tl.reshape(page, (BLOCK_N,)) * PAGE_SIZE + n % PAGE_SIZE
-        # The scales travel as int32 words of two fp16 (NB is even): [BLOCK_N] vectors of 4-byte elements the
-        # pipeliner copies asynchronously and reads back in the layout of their use, so no block's scale needs
-        # a layout conversion (a [BLOCK_N, NB] tile did, through shared memory, once per block).
+        # The value scales (and the key scales of NB separate dots) travel as int32 words of two fp16 (NB is even):
+        # [BLOCK_N] vectors of 4-byte elements the pipeliner copies asynchronously and reads back in the layout of
+        # their use, so no block's scale needs a layout conversion (a [BLOCK_N, NB] tile did, through shared memory,
+        # once per block). A key row's NB scales for the batched dot are one piece of 2 NB bytes: [NB, BLOCK_N].
         w_off = slot * (HKV * NB // 2) + h * (NB // 2)
         kws = ()
         vws = ()
         for j in tl.static_range(NB // 2):
-            kws = kws + (tl.load(ks_ptr + w_off + j, mask=keep, other=0),)
+            if not K_ROWS:
+                kws = kws + (tl.load(ks_ptr + w_off + j, mask=keep, other=0),)
             vws = vws + (tl.load(vs_ptr + w_off + j, mask=keep, other=0),)
 
-        s = tl.zeros([GP, BLOCK_N], tl.float32)
-        for bb in tl.static_range(NB):
-            kb = _codes(k_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
-            ksb = _half(kws[bb // 2], bb % 2) * SCALE_MUL
-            s += tl.dot(qs[bb], tl.trans(kb)) * ksb[None, :]
+        if K_ROWS:
+            ksc = tl.load(ks_ptr.to(tl.pointer_type(tl.float16)) + (slot * (HKV * NB) + h * NB)[None, :]
+                          + tl.arange(0, NB)[:, None], mask=keep[None, :], other=0.0).to(tl.float32) * SCALE_MUL
+            k3 = tl.permute(tl.reshape(_codes(k_base + d[None, :], keep[:, None], FMT, INTERP, E4M3_CVT),
+                                       [BLOCK_N, NB, 32]), [1, 2, 0])
+            s = tl.sum(tl.dot(q3, k3) * ksc[:, None, :], axis=0)  # [GP, BLOCK_N]
+        else:
+            s = tl.zeros([GP, BLOCK_N], tl.float32)
+            for bb in tl.static_range(NB):
+                kb = _codes(k_row + bb * 32, keep[:, None], FMT, INTERP, E4M3_CVT)
+                ksb = _half(kws[bb // 2], bb % 2) * SCALE_MUL
+                s += tl.dot(qs[bb], tl.trans(kb)) * ksb[None, :]
         s = tl.where(keep[None, :], scores(s, qk_row, softcap, SOFTCAP), float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -514,7 +536,12 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     wait = _SPLIT_PDL and pdl
     words_fmt = fmt == FMT_Q8_0 or (warps == 1 and e4m3_cvt)
     words = sad and warps <= 2 and words_fmt and not INTERPRET
-    kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1, V_WORDS=words)) if sad else (_decode_split, {})
+    # Key rows whole, into one batched dot (K_ROWS), at head_dim 128 only. On an H200 against one 32-byte block per
+    # dot, alternated in one process: 0.89-0.99x the time at all 24 cells tried (8/1 to 64/8 heads, batch 1-64, 4k-256k
+    # tokens, q8_0 and fp8_e4m3; 32/8 heads at batch 1 with 128k tokens q8_0 109.5 -> 101.8 us); at head_dim 256
+    # 1.03-1.22x (its one-warp programs then spill) and at 64 0.94-1.14x, so those keep the blocks.
+    kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1, V_WORDS=words, K_ROWS=d == 128)) if sad else \
+        (_decode_split, {})
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
     if sad:
