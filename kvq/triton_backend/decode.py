@@ -536,11 +536,14 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     wait = _SPLIT_PDL and pdl
     words_fmt = fmt == FMT_Q8_0 or (warps == 1 and e4m3_cvt)
     words = sad and warps <= 2 and words_fmt and not INTERPRET
-    # Key rows whole, into one batched dot (K_ROWS), at head_dim 128 only. On an H200 against one 32-byte block per
-    # dot, alternated in one process: 0.89-0.99x the time at all 24 cells tried (8/1 to 64/8 heads, batch 1-64, 4k-256k
-    # tokens, q8_0 and fp8_e4m3; 32/8 heads at batch 1 with 128k tokens q8_0 109.5 -> 101.8 us); at head_dim 256
-    # 1.03-1.22x (its one-warp programs then spill) and at 64 0.94-1.14x, so those keep the blocks.
-    kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1, V_WORDS=words, K_ROWS=d == 128)) if sad else \
+    # Key rows whole, into one batched dot (K_ROWS), in one-warp programs at head_dim 128. On an H200 against one
+    # 32-byte block per dot, alternated in one process: 0.89-0.99x the time at all 24 cells tried (8/1 to 64/8 heads,
+    # batch 1-64, 4k-256k tokens, q8_0 and fp8_e4m3; 32/8 heads at batch 1 with 128k tokens q8_0 109.5 -> 101.8 us); at
+    # head_dim 256 1.03-1.22x (its one-warp programs then spill) and at 64 0.94-1.14x, and the four-warp single-tile
+    # programs (batch 1 with 1k tokens) took 1.24x in a benchmark run, so those keep the blocks. The interpreter, where
+    # warps mean nothing, runs the rows at head_dim 128 so that the tests on a CPU cover them.
+    k_rows = d == 128 and (warps == 1 or INTERPRET)
+    kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1, V_WORDS=words, K_ROWS=k_rows)) if sad else \
         (_decode_split, {})
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
     ks, vs = (kc, vc) if fmt == FMT_PLAIN else (k_scale, v_scale)
