@@ -39,7 +39,7 @@ def compile_split(args):
     consts = dict(PAGE_SIZE=args.page_size, HKV=args.kv_heads, G=args.group, GP=max(16, triton.next_power_of_2(args.group)),
                   D=args.head_dim, BLOCK_N=args.block_n, FMT=1 if args.format == "q8_0" else 2, SOFTCAP=False,
                   INTERP=False, E4M3_CVT=True, PDL=True, WAIT=True, V_AFTER=False, V_WORDS=True,
-                  K_ROWS=args.head_dim == 128)
+                  K_ROWS=args.head_dim == 128 and args.warps == 1)  # as decode_attention chooses on a GPU
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     aligned = [n for n in names if sig[n].startswith("*") or n in ("sq_b", "sq_h", "sk_page", "sv_page", "sbt_b",
                                                                      "num_pages", "max_len")]
@@ -69,7 +69,7 @@ def loop_opcodes(sass: str) -> collections.Counter:
                                for a, t in ins if lo <= a <= hi)
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--group", type=int, default=4, help="query heads per kv head")
@@ -82,20 +82,33 @@ def main():
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--maxnreg", type=int, default=decode._TWELVE_REGS, help="register cap; 0 for none")
     p.add_argument("--arch", type=int, default=90)
-    args = p.parse_args()
+    return p
+
+
+def analyse(args) -> dict:
+    """The compiled kernel's resources, pipelined buffers, loop waits and conversions, and loop opcodes."""
     k = compile_split(args)
     ttgir = k.asm["ttgir"]
-    usage = re.findall(r"(REG|STACK|SHARED):(\d+)", cuobjdump(k.asm["cubin"], "-res-usage"))
-    print(f"triton {triton.__version__}, sm_{args.arch}: " + ", ".join(f"{n.lower()} {v}" for n, v in usage)
-          + f"; dynamic shared memory {k.metadata.shared} bytes")
     loop = ttgir[ttgir.index("scf.for"):]
-    buffers = collections.Counter(re.findall(r"local_alloc\s*: \(\) -> !ttg\.memdesc<([0-9x]+x\w+)", ttgir))
-    print("pipelined buffers:", ", ".join(f"{n} x {shape}" for shape, n in sorted(buffers.items())))
-    print("waits in the loop:", ", ".join(re.findall(r"async_wait .*?\{num = (\d+)", loop)[:1]) or "none",
-          "copy groups outstanding; layout conversions in the loop:", loop.count("convert_layout"))
-    ops = loop_opcodes(cuobjdump(k.asm["cubin"], "-sass"))
-    print(f"loop: {sum(ops.values())} instructions per {args.block_n}-token tile and warp")
-    print("  " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))
+    return dict(
+        usage={n.lower(): int(v) for n, v in re.findall(r"(REG|STACK|SHARED):(\d+)", cuobjdump(k.asm["cubin"], "-res-usage"))},
+        dynamic_shared=k.metadata.shared,
+        buffers=collections.Counter(re.findall(r"local_alloc\s*: \(\) -> !ttg\.memdesc<([0-9x]+x\w+)", ttgir)),
+        waits=[int(n) for n in re.findall(r"async_wait .*?\{num = (\d+)", loop)],
+        conversions=loop.count("convert_layout"),
+        loop=loop_opcodes(cuobjdump(k.asm["cubin"], "-sass")))
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    r = analyse(args)
+    print(f"triton {triton.__version__}, sm_{args.arch}: " + ", ".join(f"{n} {v}" for n, v in r["usage"].items())
+          + f"; dynamic shared memory {r['dynamic_shared']} bytes")
+    print("pipelined buffers:", ", ".join(f"{n} x {shape}" for shape, n in sorted(r["buffers"].items())))
+    print("waits in the loop:", r["waits"][0] if r["waits"] else "none",
+          "copy groups outstanding; layout conversions in the loop:", r["conversions"])
+    print(f"loop: {sum(r['loop'].values())} instructions per {args.block_n}-token tile and warp")
+    print("  " + ", ".join(f"{op} {n}" for op, n in r["loop"].most_common()))
 
 
 if __name__ == "__main__":
