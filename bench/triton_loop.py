@@ -28,18 +28,20 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvq.triton_backend import decode  # noqa: E402
+from kvq.triton_backend._common import FMT_E4M3, FMT_Q8_0  # noqa: E402
 
 
 def compile_split(args):
     fn = decode._decode_split_sad
     names = fn.arg_names
     cache = "*i8" if args.format == "q8_0" else "*u8"  # fp8 caches travel as bytes (as_kernel_arg)
+    fmt = FMT_Q8_0 if args.format == "q8_0" else FMT_E4M3
+    words, k_rows = decode._sad_loads(fmt, args.head_dim, args.warps, e4m3_cvt=True)  # as on sm_89 and newer
     types = dict(q_ptr=f"*{args.query}", kc_ptr=cache, vc_ptr=cache, ks_ptr="*i32", vs_ptr="*i32", bt_ptr="*i32",
                  len_ptr="*i32", acc_ptr="*fp32", ml_ptr="*fp32", qk_scale="fp32", softcap="fp32")
     consts = dict(PAGE_SIZE=args.page_size, HKV=args.kv_heads, G=args.group, GP=max(16, triton.next_power_of_2(args.group)),
-                  D=args.head_dim, BLOCK_N=args.block_n, FMT=1 if args.format == "q8_0" else 2, SOFTCAP=False,
-                  INTERP=False, E4M3_CVT=True, PDL=True, WAIT=True, V_AFTER=False, V_WORDS=True,
-                  K_ROWS=args.head_dim == 128 and args.warps == 1)  # as decode_attention chooses on a GPU
+                  D=args.head_dim, BLOCK_N=args.block_n, FMT=fmt, SOFTCAP=False, INTERP=False, E4M3_CVT=True,
+                  PDL=True, WAIT=True, V_AFTER=False, V_WORDS=words, K_ROWS=k_rows)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     aligned = [n for n in names if sig[n].startswith("*") or n in ("sq_b", "sq_h", "sk_page", "sv_page", "sbt_b",
                                                                      "num_pages", "max_len")]

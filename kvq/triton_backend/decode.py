@@ -498,6 +498,28 @@ def _uses_sad(mode: int, fmt: int, d: int) -> bool:
     return mode != 0 and fmt != FMT_PLAIN and (d // 32) % 2 == 0
 
 
+def _sad_loads(fmt: int, d: int, warps: int, e4m3_cvt: bool) -> tuple[bool, bool]:
+    """How the scale-after-dot kernel reads a launch's tiles: ``(V_WORDS, K_ROWS)``."""
+    # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each; at 256 the
+    # one-warp programs were measured with words only), for q8_0 and for e4m3 with the convert instruction (the
+    # interpreter runs no inline assembly). On an H200, against the byte path in the same run (1k-128k tokens, batch
+    # 1-64): at head_dim 64 q8_0 2-20% less time (9/3 heads, batch 1, 128k tokens: 37.0 -> 29.7 us), fp8 13% less to 2%
+    # more; at 128 q8_0 11% less to 1% more (32/8 heads, batch 1, 128k: 120.7 -> 115.6 us), fp8 9% less to 3% more; but
+    # at 40/8 heads (five query heads per kv head), whose byte path ran 8% faster than 32/8 heads on the same bytes,
+    # 1-8% more. Also q8_0 in two-warp programs (head_dim 256, several tiles each), where the bytes are gathered one at
+    # a time from shared memory and spill (sm_90: 255 registers and 8 bytes of stack, 168 and none with words): 2-3%
+    # less time at 16/2 heads (batch 1 with 128k tokens, 8 with 32k, 64 with 4k-8k), 0.4% more at batch 1 with 32k; fp8
+    # there 1% less to 3% more, and four-warp single-tile programs 1-9% more, so they keep the bytes.
+    words = warps <= 2 and (fmt == FMT_Q8_0 or (warps == 1 and e4m3_cvt)) and not INTERPRET
+    # Key rows whole, into one batched dot (K_ROWS), in one-warp programs at head_dim 128. On an H200 against one
+    # 32-byte block per dot, alternated in one process: 0.89-0.99x the time at all 24 cells tried (8/1 to 64/8 heads,
+    # batch 1-64, 4k-256k tokens, q8_0 and fp8_e4m3; 32/8 heads at batch 1 with 128k tokens q8_0 109.5 -> 101.8 us); at
+    # head_dim 256 1.03-1.22x (its one-warp programs then spill) and at 64 0.94-1.14x, and the four-warp single-tile
+    # programs (batch 1 with 1k tokens) took 1.24x in a benchmark run, so those keep the blocks. The interpreter, where
+    # warps mean nothing, runs the rows at head_dim 128 so that the tests on a CPU cover them.
+    return words, d == 128 and (warps == 1 or INTERPRET)
+
+
 def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, sm_scale, window_left,
                      logit_softcap, out, *, config=None) -> None:
     """Shapes and semantics: :func:`kvq.ops.decode_attention`. ``config`` overrides :func:`_config` (tuning):
@@ -521,28 +543,10 @@ def decode_attention(query, k_cache, v_cache, k_scale, v_scale, block_table, seq
     else:
         block_n, splits, warps, stages, maxnreg = _config(query, k_cache, max_len, sad)
     launch = {} if maxnreg is None or INTERPRET else dict(maxnreg=maxnreg)
-    # Value codes as words (_codes_from_words) in one-warp programs (head_dim 64 and 128, several tiles each; at 256 the
-    # one-warp programs were measured with words only), for q8_0 and for e4m3 with the convert instruction (the
-    # interpreter runs no inline assembly). On an H200, against the byte path in the same run (1k-128k tokens, batch
-    # 1-64): at head_dim 64 q8_0 2-20% less time (9/3 heads, batch 1, 128k tokens: 37.0 -> 29.7 us), fp8 13% less to 2%
-    # more; at 128 q8_0 11% less to 1% more (32/8 heads, batch 1, 128k: 120.7 -> 115.6 us), fp8 9% less to 3% more; but
-    # at 40/8 heads (five query heads per kv head), whose byte path ran 8% faster than 32/8 heads on the same bytes,
-    # 1-8% more. Also q8_0 in two-warp programs (head_dim 256, several tiles each), where the bytes are gathered one at
-    # a time from shared memory and spill (sm_90: 255 registers and 8 bytes of stack, 168 and none with words): 2-3%
-    # less time at 16/2 heads (batch 1 with 128k tokens, 8 with 32k, 64 with 4k-8k), 0.4% more at batch 1 with 32k; fp8
-    # there 1% less to 3% more, and four-warp single-tile programs 1-9% more, so they keep the bytes.
     e4m3_cvt = has_e4m3_cvt(query.device)
     pdl = _PDL and batch == 1 and not INTERPRET and has_pdl(query.device)
     wait = _SPLIT_PDL and pdl
-    words_fmt = fmt == FMT_Q8_0 or (warps == 1 and e4m3_cvt)
-    words = sad and warps <= 2 and words_fmt and not INTERPRET
-    # Key rows whole, into one batched dot (K_ROWS), in one-warp programs at head_dim 128. On an H200 against one
-    # 32-byte block per dot, alternated in one process: 0.89-0.99x the time at all 24 cells tried (8/1 to 64/8 heads,
-    # batch 1-64, 4k-256k tokens, q8_0 and fp8_e4m3; 32/8 heads at batch 1 with 128k tokens q8_0 109.5 -> 101.8 us); at
-    # head_dim 256 1.03-1.22x (its one-warp programs then spill) and at 64 0.94-1.14x, and the four-warp single-tile
-    # programs (batch 1 with 1k tokens) took 1.24x in a benchmark run, so those keep the blocks. The interpreter, where
-    # warps mean nothing, runs the rows at head_dim 128 so that the tests on a CPU cover them.
-    k_rows = d == 128 and (warps == 1 or INTERPRET)
+    words, k_rows = _sad_loads(fmt, d, warps, e4m3_cvt)
     kernel, extra = (_decode_split_sad, dict(V_AFTER=mode == 1, V_WORDS=words, K_ROWS=k_rows)) if sad else \
         (_decode_split, {})
     kc, vc = as_kernel_arg(k_cache), as_kernel_arg(v_cache)
