@@ -410,10 +410,6 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
   };
   int pages_cur = table_block(0), pages_next = table_block(1);
   auto issue = [&](int c) {
-    // The cache's rows and scales are read once per call, so they leave L2 first: the small tensors every call reads
-    // again (lengths, block tables, queries, the partials) stay, where the stream of a long context would evict them.
-    // Made per tile: a policy held across the loop made the three-head instance at head_dim 64 spill (sm_90).
-    const uint64_t l2 = l2_evict_first();
     if (c % 32 == 0 && c > 0) pages_cur = pages_next, pages_next = table_block(c / 32 + 1);
     const int tile_page = __shfl_sync(0xffffffffu, pages_cur, c % 32);
     unsigned char* st = ring + (c % C::kStages) * C::kStageBytes;
@@ -423,8 +419,8 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
     pdm.divmod(t0, idx0, off0);
     // Piece pc of row r, from ksrc / vsrc (16 bytes, or zeros when !ok).
     auto copy = [&](int r, int pc, const unsigned char* ksrc, const unsigned char* vsrc, bool ok) {
-      cp_async16<C::kPrefetch>(st_addr + C::k_at(r, pc * 16), ksrc, ok ? 16 : 0, l2);
-      cp_async16<C::kPrefetch>(st_addr + C::v_at(r, pc * 16), vsrc, ok ? 16 : 0, l2);
+      cp_async16<C::kPrefetch>(st_addr + C::k_at(r, pc * 16), ksrc, ok ? 16 : 0);
+      cp_async16<C::kPrefetch>(st_addr + C::v_at(r, pc * 16), vsrc, ok ? 16 : 0);
     };
     // Row r's page (-1 past the end or outside the cache) and offset in it, for tiles that straddle pages.
     auto locate = [&](int r, int64_t& page, int& off) {
@@ -442,7 +438,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       auto copy_scale = [&](int r, int x, bool of_k, int64_t slot, bool ok) {
         const uint16_t* src = (of_k ? p.k_scale : p.v_scale) + (slot * p.num_kv_heads + kvh) * C::kNB + 2 * x;
         cp_async_small<4>(st_addr + (of_k ? C::kKSOff : C::kVSOff) + r * C::kScaleBytes + 4 * x, ok ? src : p.k_scale,
-                          ok ? 4 : 0, l2);
+                          ok ? 4 : 0);
       };
       const int head_bytes = kvh * kHead * static_cast<int>(sizeof(S));
       if (off0 + kTile <= p.page_size) {
@@ -504,7 +500,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       valid = n >= kTile ? 0xFFFFu : (1u << n) - 1u;
       if constexpr (kQuant) {
         cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
-                                       s_lane + pg * s_page + off0 * s_token, r0 < n ? C::kScaleBytes : 0, l2);
+                                       s_lane + pg * s_page + off0 * s_token, r0 < n ? C::kScaleBytes : 0);
       }
     } else {
 #pragma unroll
@@ -525,7 +521,7 @@ __global__ void __launch_bounds__(Cfg<S, HD, GMAX, COLS, NH>::kWarps * 32,
       if constexpr (kQuant) {
         const int64_t so = ok0 ? cache.scale_offset(page * p.page_size + off, kvh) + col0 / kBlock : 0;
         cp_async_small<C::kScaleBytes>(st_addr + (scale_of_k ? C::kKSOff : C::kVSOff) + r0 * C::kScaleBytes,
-                                       (scale_of_k ? p.k_scale : p.v_scale) + so, ok0 ? C::kScaleBytes : 0, l2);
+                                       (scale_of_k ? p.k_scale : p.v_scale) + so, ok0 ? C::kScaleBytes : 0);
       }
     }
     if (lane == 0) *reinterpret_cast<uint32_t*>(st + C::kMaskOff) = valid;

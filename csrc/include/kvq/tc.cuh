@@ -29,27 +29,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
   }
 }
-// An L2 cache policy (createpolicy, sm_80 and newer) under which the lines a copy fetches are evicted before others.
-__device__ __forceinline__ uint64_t l2_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-// cp_async16 under an L2 cache policy (l2_evict_first).
-template <int kPrefetch = 0>
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
-  static_assert(kPrefetch == 0 || kPrefetch == 128 || kPrefetch == 256, "cp.async L2 prefetch sizes");
-  if constexpr (kPrefetch == 256) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes), "l"(policy));
-  } else if constexpr (kPrefetch == 128) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes), "l"(policy));
-  } else {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes), "l"(policy));
-  }
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Wait until at most N committed groups are still in flight.
@@ -60,12 +39,6 @@ template <int N>
 __device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, int src_bytes) {
   static_assert(N == 4 || N == 8 || N == 16, "cp.async sizes");
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(src_bytes));
-}
-template <int N>
-__device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src, int src_bytes, uint64_t policy) {
-  static_assert(N == 4 || N == 8 || N == 16, "cp.async sizes");
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], %2, %3, %4;\n" ::"r"(dst), "l"(src), "n"(N),
-               "r"(src_bytes), "l"(policy));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
