@@ -140,6 +140,17 @@ void plan_tc_splits(kvq::DecodeParams& p, kvq::TcShape shape, bool quantized, in
   int c = std::min(shape.ctas_per_sm, 2);
   if (pairs > int64_t{sms} * c) c = shape.ctas_per_sm;
   int splits = splits_for(p.num_kv_heads, w, c);
+  // bf16/fp16 caches at head_dim 128: where two CTAs per SM would leave a warp at most two tiles and one CTA per SM
+  // still fills 31/32 of the SMs, splits for one CTA per SM (half the prologues, half the merge's parts). On an H200
+  // (bf16, 14 head layouts at batch 1-8 with 1k-8k tokens; two runs, each of two builds alternated three times), where
+  // the choice changed: 0.86-1.02x the time, geometric means 0.94x and 0.96x (32/8 heads at batch 1 with 4k tokens
+  // 10.07 -> 9.48 us, 64/4 at batch 2 with 4k 12.67 -> 10.95). With a fill of 95% (42/7 heads: 126 CTAs for 132 SMs)
+  // 0.97-1.02x: the idle SMs cost what the shorter prologues save. For 8-bit caches the same change took 0.91-1.05x
+  // (bench/results/h200-2026-12-04-bf16-short-splits-ab.json, h200-2026-12-04-short-split-rule-ab.json).
+  if (!quantized && p.head_dim == 128 && c == 2 && tiles_per_warp(splits, w) <= 2) {
+    const int one = splits_for(p.num_kv_heads, w, 1);
+    if (pairs * one * 32 >= int64_t{sms} * 31) splits = one;
+  }
   if (p.head_dim == 256 && c > 1) {
     const int one_per_sm = splits_for(p.num_kv_heads, w, 1);
     if ((one_per_sm == 1 && tiles_per_warp(1, w) <= 64) || tiles_per_warp(splits, w) < 12) splits = one_per_sm;
