@@ -9,13 +9,13 @@ regimes, per decode shape and format of this checkout's build:
 - ``read``: a read-only sum of 128 MiB before every call, as a layer's weights;
 - ``write``: a fill of 128 MiB before every call, which leaves L2 full of dirty lines.
 
-For the last two, a CUDA graph of (scrub, call) pairs over the replicas is timed, and a graph of the scrubs alone is
-subtracted. Compare builds by running this in each, alternating: ``python bench/between_calls.py [--out FILE.json]``.
+For the last two, ``kvq.benchmark.time_calls`` times (scrub, call) pairs over the replicas and the scrubs alone; a
+call's time is that of a pair less that of a scrub. Compare builds by running this in each, alternating:
+``python bench/between_calls.py [--out FILE.json]``.
 """
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,29 +35,6 @@ SCRUB_BYTES = 128 << 20
 PAGE_SIZE = 16
 
 
-def graph_us(fns: list, reps: int) -> float:
-    """Median microseconds of one replay of a CUDA graph of ``fns`` in order."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in evs:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in evs) * 1e3
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the rows as JSON here")
@@ -67,8 +44,8 @@ def main(argv=None) -> int:
         return 2
     import kvq
 
-    bw, l2 = kb.copy_bandwidth()["bandwidth"], kb._l2_bytes()
-    print(f"{torch.cuda.get_device_name()}: 2 GiB copy {bw / 1e9:.0f} GB/s; kvq {kvq.backends.source_digest()}")
+    bw, l2, digest = kb.copy_bandwidth()["bandwidth"], kb._l2_bytes(), kvq.backends.source_digest()
+    print(f"{torch.cuda.get_device_name()}: 2 GiB copy {bw / 1e9:.0f} GB/s; kvq {digest}")
     scrub = torch.empty(SCRUB_BYTES, dtype=torch.uint8, device="cuda")
     flat, total = scrub.view(torch.float32), torch.empty((), device="cuda")
     scrubs = {"read": lambda: torch.sum(flat, dim=0, out=total), "write": lambda: scrub.fill_(1)}
@@ -82,11 +59,10 @@ def main(argv=None) -> int:
             n = len(calls)
             row = dict(batch=batch, ctx=ctx, hq=hq, hkv=hkv, d=d, fmt=fmt, replicas=n, floor_us=nbytes / bw * 1e6,
                        rotate=kb.time_calls(calls).us)
-            reps = max(20, min(60, int(5e4 / ((row["rotate"] + 40) * n))))
             for name, f in scrubs.items():
-                pairs = [g for c in calls for g in (f, c)]
-                alone = graph_us([f] * n, reps) / n
-                row[name], row[name + "_scrub"] = graph_us(pairs, reps) / n - alone, alone
+                alone = kb.time_calls([f] * n).us
+                pair = kb.time_calls([g for c in calls for g in (f, c)]).us  # per scrub or call: half a pair
+                row[name], row[name + "_scrub"] = 2 * pair - alone, alone
             rows.append(row)
             print(f"{hq}/{hkv} d{d} B{batch} {ctx:>6} {fmt:8s}: rotate {row['rotate']:7.2f}  read {row['read']:7.2f}  "
                   f"write {row['write']:7.2f} us", flush=True)
@@ -94,7 +70,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bw=bw,
-                                                  digest=kvq.backends.source_digest(), rows=rows), indent=1))
+                                                  digest=digest, rows=rows), indent=1))
     return 0
 
 
