@@ -199,6 +199,17 @@ def test_decode_page_sizes_and_dtypes(decode_ops, page_size, dtype):
     _assert_close(out, ref, lens)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_short_contexts_of_unquantized_caches(dtype):
+    """bf16/fp16 caches at head_dim 128 with few sequences of 2k-4k tokens, where the plan sizes the splits for one
+    CTA per SM (32/8 heads: decode.cu's plan_tc_splits) or keeps two because one would leave SMs idle (42/7 heads,
+    on an H200's 132 SMs)."""
+    ops = backend_ops("cuda")
+    for hq, hkv, lens in ((32, 8, [4096]), (32, 8, [3001, 2048]), (42, 7, [3072]), (42, 7, [1, 2999, 0])):
+        out, ref = _decode_case(ops, "same", dtype, lens, hq, hkv, 128, 16)
+        _assert_close(out, ref, lens)
+
+
 @pytest.mark.parametrize("splits", [2, 4, 5, 16, 17, 65, 256])
 @pytest.mark.parametrize("fmt,hq,hkv,d,batch", [("q8_0", 8, 2, 128, 3), ("same", 8, 2, 256, 40),
                                                 ("fp8_e4m3", 8, 2, 256, 3), ("q8_0", 9, 3, 64, 5)])

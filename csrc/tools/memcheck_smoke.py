@@ -96,6 +96,13 @@ for cache_dt in (torch.int8, torch.bfloat16):
     lens = torch.randint(0, 2049, (160,), dtype=torch.int32, device=dev)
     q = torch.randn(160, 32, 128, dtype=torch.bfloat16, device=dev)
     torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
+# bf16 at head_dim 128, one sequence of up to 4k tokens: the plan's splits for one CTA per SM (decode.cu).
+kc, vc, ks, vs = filled_cache(torch.bfloat16, 8, 128)
+table = torch.randint(0, 40, (1, 256), dtype=torch.int32, device=dev)
+q = torch.randn(1, 32, 128, dtype=torch.bfloat16, device=dev)
+for n in (4096, 3001):
+    lens = torch.tensor([n], dtype=torch.int32, device=dev)
+    torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
 # Every merge, by pinned split counts (decode.cuh's launch_decode_merge): a warp per query head (2-16 parts; the
 # batch of 40 puts the 5-16 part lists there too at head_dim 256 on an H200), one pass, two passes, at every head_dim
 # and both query dtypes; sequences of 0-3000 tokens, so that some splits see none.
