@@ -100,19 +100,21 @@ def test_store_bytes_match_reference_including_ties(ops, fmt, dtype, d, page_siz
     _assert_same_bytes(got, want)
 
 
-def test_store_accepts_strided_rows_from_a_fused_qkv(ops):
+@pytest.mark.parametrize("cache_dt", [torch.int8, torch.bfloat16])
+def test_store_accepts_strided_rows_from_a_fused_qkv(ops, cache_dt):
     t, hq, hkv, d = 10, 8, 2, 128
     qkv = torch.randn(t, hq + 2 * hkv, d, dtype=torch.bfloat16, device="cuda")
     key, value = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     slots = torch.randperm(4 * 16)[:t]
-    got, want = _store_both(ops, key, value, torch.int8, 4, 16, slots)
+    got, want = _store_both(ops, key, value, cache_dt, 4, 16, slots)
     _assert_same_bytes(got, want)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
-def test_store_skips_out_of_range_slots_with_checks_off(ops, fmt):
+@pytest.mark.parametrize("d", [64, 128])
+def test_store_skips_out_of_range_slots_with_checks_off(ops, fmt, d):
     cache_dt = QUANT.get(fmt, torch.bfloat16)
-    t, hkv, d, pages, page_size = 12, 2, 64, 3, 4
+    t, hkv, pages, page_size = 12, 2, 3, 4
     key = torch.randn(t, hkv, d, dtype=torch.bfloat16)
     value = torch.randn(t, hkv, d, dtype=torch.bfloat16)
     slots = torch.randperm(pages * page_size)[:t]

@@ -106,6 +106,8 @@ SMALL_CASES = [  # (tokens, page_size, kv heads, head_dim, model dtype, format)
     (5, 16, 8, 128, torch.bfloat16, "q8_0"),
     (6, 16, 2, 96, torch.bfloat16, "q8_0"),  # a head_dim that is a multiple of 32 but not a power of two
     (8, 16, 2, 128, torch.bfloat16, "bf16"),
+    (5, 16, 1, 128, torch.float16, "fp16"),  # head_dim 128 copies go by 16 blocks a warp: the last warp's partial
+    (13, 3, 3, 128, torch.bfloat16, "bf16"),  # ... and a warp's blocks spread over tokens on different pages
     (8, 1, 8, 64, torch.float16, "fp16"),
     (70, 16, 3, 64, torch.float16, "q8_0"),  # several token blocks per launch, the last one partial
     (3, 16, 12, 384, torch.bfloat16, "fp8_e4m3"),  # a token's rows split over programs, a head across the cut
@@ -119,9 +121,10 @@ def test_store_matches_reference(backend, case):
 
 
 @pytest.mark.parametrize("backend", backend_params(BACKENDS))
-def test_store_strided_rows(backend):
+@pytest.mark.parametrize("fmt,d", [("q8_0", 64), ("bf16", 128)])
+def test_store_strided_rows(backend, fmt, d):
     """key/value may be views with a row stride larger than head_dim."""
-    check_store(backend, 7, 16, 2, 64, torch.bfloat16, "q8_0", strided=True)
+    check_store(backend, 7, 16, 2, d, torch.bfloat16, fmt, strided=True)
 
 
 @pytest.mark.parametrize("backend", backend_params(BACKENDS))

@@ -3,7 +3,8 @@
 // Each thread owns 16 elements of one (token, head) row of K and the same of V: two 16-byte loads per tensor,
 // one 16-byte store of 8-bit values (or two of bf16/fp16). Quantizing, they are consecutive, and the two lanes
 // holding one 32-element block agree on its scale by one shuffle; copying, they are two 16-byte words half a
-// row apart. K, V and both scale planes go in one launch.
+// row apart, or at head_dim 128 two words of 32-element blocks eight blocks apart (copy_runs_kernel). K, V and
+// both scale planes go in one launch.
 #pragma once
 
 #include "common.cuh"
@@ -80,6 +81,7 @@ __device__ __forceinline__ void copy_chunk(const T* src_row, T* dst_row, int c, 
 struct StoreDivisors {
   FastDivmod chunks, heads, page;
   bool narrow;
+  FastDivmod blocks;  // 32-element blocks per token (copy_runs_kernel)
 };
 
 // T: key/value dtype; S: storage element (T itself for an unquantized cache).
@@ -142,6 +144,60 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
   }
 }
 
+// Unquantized caches at head_dim 128 (where the slot count and the thread count fit 32 bits): each warp copies 16
+// consecutive 32-element blocks of the (token, kv head, head_dim) order of K and then of V, lane l the 16-byte word
+// l % 4 of blocks l / 4 and l / 4 + 8, so that each of its loads and stores covers 512 contiguous bytes wherever a
+// token's rows are adjacent (their blocks may belong to several tokens and slots). store_kv_kernel's rows have each
+// instruction of a warp touch every other 128-byte line there (the first halves of four 256-byte rows, then the
+// second halves). On an H200 (bf16, 65536 tokens, the two mappings alternated in one process) this took 0.981-0.989x
+// the time at 1, 8, 16 and 32 kv heads of head_dim 128 (8 heads: 139.7 -> 137.6 us, with 262144 tokens 549.1 ->
+// 538.7), but 1.004-1.017x at head_dim 64 and 256, which keep the rows (bench/results/h200-2026-12-04-store-copy-runs.json).
+constexpr int kRunsHeadDim = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(kStoreThreads) copy_runs_kernel(StoreParams p, const __grid_constant__ StoreDivisors dv) {
+  wait_for_primary();  // the kernel before may still be writing the keys and values, or reading the cache
+  constexpr int kNB = kRunsHeadDim / kBlock;
+  const int64_t num_blocks = p.num_tokens * p.num_kv_heads * kNB;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const paged_kv_t<T> cache(p.num_pages, p.page_size, p.num_kv_heads, kRunsHeadDim, p.k_stride_page, p.v_stride_page);
+  const T* key[2];
+  const T* value[2];
+  T* kdst[2];
+  T* vdst[2];
+  bool write[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int64_t blk = warp * 16 + (lane >> 2) + 8 * u;
+    int t = 0, hb = 0;
+    if (blk < num_blocks) dv.blocks.divmod(static_cast<int>(blk), t, hb);
+    const int h = hb / kNB, e = (hb % kNB) * kBlock + (lane & 3) * 8;  // its head, and the word's first element
+    const int64_t slot = blk < num_blocks ? load_slot(p.slot_mapping, p.slot_is_int32, t) : -1;
+    write[u] = cache.valid_slot(slot);  // -1 and out-of-range slots write nothing
+    int page, off;
+    dv.page.divmod(static_cast<int>(write[u] ? slot : 0), page, off);
+    key[u] = static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + e;
+    value[u] = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + e;
+    kdst[u] = static_cast<T*>(p.k_cache) + cache.k_offset(page, off, h) + e;
+    vdst[u] = static_cast<T*>(p.v_cache) + cache.v_offset(page, off, h) + e;
+  }
+  // Each tensor's loads next to its stores, as store_kv_kernel copies.
+  uint4 w[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+    if (write[u]) w[u] = *reinterpret_cast<const uint4*>(key[u]);
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+    if (write[u]) *reinterpret_cast<uint4*>(kdst[u]) = w[u];
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+    if (write[u]) w[u] = *reinterpret_cast<const uint4*>(value[u]);
+#pragma unroll
+  for (int u = 0; u < 2; ++u)
+    if (write[u]) *reinterpret_cast<uint4*>(vdst[u]) = w[u];
+}
+
 inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
   if (p.head_dim % kBlock != 0 || p.head_dim <= 0) return cudaErrorInvalidValue;
   const int64_t total = p.num_tokens * p.num_kv_heads * (p.head_dim / kChunk);
@@ -155,7 +211,16 @@ inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
       } else {
         const int64_t slots = static_cast<int64_t>(p.num_pages) * p.page_size;
         const StoreDivisors dv{FastDivmod(p.head_dim / kChunk), FastDivmod(p.num_kv_heads), FastDivmod(p.page_size),
-                               total <= 0x7FFFFFFF && slots <= 0x7FFFFFFF};
+                               total <= 0x7FFFFFFF && slots <= 0x7FFFFFFF,
+                               FastDivmod(p.num_kv_heads * (p.head_dim / kBlock))};
+        if constexpr (!StorageTraits<S>::kQuantized) {
+          if (p.head_dim == kRunsHeadDim && dv.narrow) {
+            const int64_t warps = (p.num_tokens * p.num_kv_heads * (kRunsHeadDim / kBlock) + 15) / 16;
+            const DependentLaunch launch(dim3(static_cast<unsigned>((warps * 32 + kStoreThreads - 1) / kStoreThreads)),
+                                         dim3(kStoreThreads), stream, p.dependent);
+            return launch(copy_runs_kernel<T>, p, dv);
+          }
+        }
         const DependentLaunch launch(dim3(static_cast<unsigned>(blocks)), dim3(kStoreThreads), stream, p.dependent);
         return launch(store_kv_kernel<T, S>, p, dv);
       }
