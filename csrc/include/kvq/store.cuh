@@ -149,9 +149,10 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
 // l % 4 of blocks l / 4 and l / 4 + 8, so that each of its loads and stores covers 512 contiguous bytes wherever a
 // token's rows are adjacent (their blocks may belong to several tokens and slots). store_kv_kernel's rows have each
 // instruction of a warp touch every other 128-byte line there (the first halves of four 256-byte rows, then the
-// second halves). On an H200 (bf16, 65536 tokens, the two mappings alternated in one process) this took 0.981-0.989x
-// the time at 1, 8, 16 and 32 kv heads of head_dim 128 (8 heads: 139.7 -> 137.6 us, with 262144 tokens 549.1 ->
-// 538.7), but 1.004-1.017x at head_dim 64 and 256, which keep the rows (bench/results/h200-2026-12-04-store-copy-runs.json).
+// second halves). On an H200, against the rows in two builds alternated as processes (bf16 and fp16), this took
+// 0.980-0.988x the time at 4, 8, 16 and 32 kv heads of head_dim 128 (8 heads with 65536 tokens: 139.6 -> 137.3 us, with
+// 262144: 548.6 -> 538.2) and 1.004-1.005x at one; at head_dim 64 and 256, alternated with the rows in one process, it
+// took 1.004-1.017x, so they keep the rows (bench/results/h200-2026-12-04-store-copy-runs.json).
 constexpr int kRunsHeadDim = 128;
 
 template <typename T>
