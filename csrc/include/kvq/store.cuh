@@ -183,20 +183,18 @@ __global__ void __launch_bounds__(kStoreThreads) copy_runs_kernel(StoreParams p,
     kdst[u] = static_cast<T*>(p.k_cache) + cache.k_offset(page, off, h) + e;
     vdst[u] = static_cast<T*>(p.v_cache) + cache.v_offset(page, off, h) + e;
   }
-  // Each tensor's loads next to its stores, as store_kv_kernel copies.
-  uint4 w[2];
+  // Each tensor's two loads, then its two stores, as store_kv_kernel copies: K first, then V.
+  const auto copy = [&](const T* const* src, T* const* dst) {
+    uint4 w[2];
 #pragma unroll
-  for (int u = 0; u < 2; ++u)
-    if (write[u]) w[u] = *reinterpret_cast<const uint4*>(key[u]);
+    for (int u = 0; u < 2; ++u)
+      if (write[u]) w[u] = *reinterpret_cast<const uint4*>(src[u]);
 #pragma unroll
-  for (int u = 0; u < 2; ++u)
-    if (write[u]) *reinterpret_cast<uint4*>(kdst[u]) = w[u];
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-    if (write[u]) w[u] = *reinterpret_cast<const uint4*>(value[u]);
-#pragma unroll
-  for (int u = 0; u < 2; ++u)
-    if (write[u]) *reinterpret_cast<uint4*>(vdst[u]) = w[u];
+    for (int u = 0; u < 2; ++u)
+      if (write[u]) *reinterpret_cast<uint4*>(dst[u]) = w[u];
+  };
+  copy(key, kdst);
+  copy(value, vdst);
 }
 
 inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
