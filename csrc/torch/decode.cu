@@ -271,16 +271,7 @@ void decode_attention_cuda(const at::Tensor& query,   // [batch, num_q_heads, he
   p.out = out.data_ptr();
   p.o_stride_batch = out.stride(0);
   p.o_stride_head = out.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.k_scale = c.quantized ? static_cast<const uint16_t*>(k_scale->data_ptr()) : nullptr;
-  p.v_scale = c.quantized ? static_cast<const uint16_t*>(v_scale->data_ptr()) : nullptr;
-  p.k_stride_page = k_cache.stride(0);
-  p.v_stride_page = v_cache.stride(0);
-  p.num_pages = static_cast<int>(c.num_pages);
-  p.page_size = static_cast<int>(c.page_size);
-  p.num_kv_heads = static_cast<int>(c.num_kv_heads);
-  p.head_dim = static_cast<int>(c.head_dim);
+  set_cache(p, c, k_cache, v_cache, k_scale, v_scale);
   p.block_table = block_table.data_ptr<int32_t>();
   p.block_table_stride = block_table.stride(0);
   p.max_pages = static_cast<int>(block_table.size(1));

@@ -91,15 +91,7 @@ void extend_attention_cuda(const at::Tensor& query,    // [total_new_tokens, num
   p.k_stride_tok = k.stride(0), p.k_stride_head = k.stride(1);
   p.v_stride_tok = v.stride(0), p.v_stride_head = v.stride(1);
   p.o_stride_tok = o.stride(0), p.o_stride_head = o.stride(1);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.k_scale = c.quantized ? static_cast<const uint16_t*>(k_scale->data_ptr()) : nullptr;
-  p.v_scale = c.quantized ? static_cast<const uint16_t*>(v_scale->data_ptr()) : nullptr;
-  p.k_stride_page = k_cache.stride(0), p.v_stride_page = v_cache.stride(0);
-  p.num_pages = static_cast<int>(c.num_pages);
-  p.page_size = static_cast<int>(c.page_size);
-  p.num_kv_heads = static_cast<int>(hkv);
-  p.head_dim = static_cast<int>(d);
+  set_cache(p, c, k_cache, v_cache, k_scale, v_scale);
   p.block_table = table.data_ptr<int32_t>();
   p.block_table_stride = table.stride(0);
   p.max_pages = static_cast<int>(table.size(1));

@@ -243,6 +243,23 @@ inline CacheInfo check_cache(const char* op, const at::Tensor& k_cache, const at
   return info;
 }
 
+// The paged-cache fields that the store's, decode's and extend's parameters share, from a pair check_cache passed.
+template <typename Params>
+inline void set_cache(Params& p, const CacheInfo& c, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  using ScalePtr = decltype(p.k_scale);  // const for the kernels that only read the scales
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.k_scale = c.quantized ? static_cast<ScalePtr>(k_scale->data_ptr()) : nullptr;
+  p.v_scale = c.quantized ? static_cast<ScalePtr>(v_scale->data_ptr()) : nullptr;
+  p.k_stride_page = k_cache.stride(0);
+  p.v_stride_page = v_cache.stride(0);
+  p.num_pages = static_cast<int>(c.num_pages);
+  p.page_size = static_cast<int>(c.page_size);
+  p.num_kv_heads = static_cast<int>(c.num_kv_heads);
+  p.head_dim = static_cast<int>(c.head_dim);
+}
+
 // An output the kernels write element by element: one whose elements alias each other (an expand()ed view)
 // would receive several rows' results in one place.
 inline void check_no_overlap(const char* op, const char* name, const at::Tensor& t) {

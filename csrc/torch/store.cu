@@ -64,16 +64,7 @@ void store_kv_cuda(const at::Tensor& key,           // [num_tokens, num_kv_heads
   p.slot_mapping = slots.data_ptr();
   p.slot_is_int32 = slots.scalar_type() == at::kInt;
   p.num_tokens = key.size(0);
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.k_scale = c.quantized ? static_cast<uint16_t*>(k_scale->data_ptr()) : nullptr;
-  p.v_scale = c.quantized ? static_cast<uint16_t*>(v_scale->data_ptr()) : nullptr;
-  p.k_stride_page = k_cache.stride(0);
-  p.v_stride_page = v_cache.stride(0);
-  p.num_pages = static_cast<int>(c.num_pages);
-  p.page_size = static_cast<int>(c.page_size);
-  p.num_kv_heads = static_cast<int>(c.num_kv_heads);
-  p.head_dim = static_cast<int>(c.head_dim);
+  set_cache(p, c, k_cache, v_cache, k_scale, v_scale);
   p.format = to_format(k_cache.scalar_type());
   p.dtype = to_dtype(key.scalar_type());
   p.dependent = dependent_launches(g_store_pdl.load(), dev.index()).first;
