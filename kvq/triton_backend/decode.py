@@ -60,6 +60,18 @@ _SPLIT_PDL = True
 
 
 @triton.jit
+def _split_range(len_ptr, b, max_len, window_left, num_splits, split, BLOCK_N: tl.constexpr):
+    # The key positions [start, stop) of one split: each sequence spreads its own visible range over all splits,
+    # in whole BLOCK_N tiles. Lengths (and pages, in page_of) are clamped to the tensors' extents, so bad indices
+    # (with the host-side checks off) never reach memory outside them.
+    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_len)
+    lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    return start, tl.minimum(start + chunk, seq_len)
+
+
+@triton.jit
 def _load_tile(c_ptr, s_ptr, page, off, h, keep, d, stride_page,
                PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
                INTERP: tl.constexpr, E4M3_CVT: tl.constexpr):
@@ -97,14 +109,7 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
     # The tensor-core dtype: the query's for an unquantized cache, fp16 for an 8-bit one (see dequant_f16).
     CT: tl.constexpr = q_ptr.dtype.element_ty if FMT == 0 else tl.float16
 
-    # Lengths and pages are clamped to the tensors' extents, so bad indices (with the host-side checks off)
-    # never reach memory outside them.
-    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_len)
-    lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
-    # Each sequence spreads its own visible range over all splits, in whole BLOCK_N tiles.
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    stop = tl.minimum(start + chunk, seq_len)
+    start, stop = _split_range(len_ptr, b, max_len, window_left, num_splits, split, BLOCK_N)
 
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
@@ -226,11 +231,7 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
     # The e4m3 bit path yields code * 2^-8 (see _codes); the 2^8 rides on the fp32 scale, exactly.
     SCALE_MUL: tl.constexpr = 256.0 if (FMT == 2 and not E4M3_CVT and not INTERP) else 1.0
 
-    seq_len = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), max_len)
-    lo = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    stop = tl.minimum(start + chunk, seq_len)
+    start, stop = _split_range(len_ptr, b, max_len, window_left, num_splits, split, BLOCK_N)
 
     g = tl.arange(0, GP)
     e = tl.arange(0, 32)
