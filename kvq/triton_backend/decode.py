@@ -60,6 +60,16 @@ _SPLIT_PDL = True
 
 
 @triton.jit
+def _split_program(PDL: tl.constexpr, WAIT: tl.constexpr):
+    # This program's (sequence, kv head, split), after the dependent-launch handshakes.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the merge may be scheduled (it waits for the partials)
+    if WAIT:
+        tl.extra.cuda.gdc_wait()  # launched as a dependent of the kernel before: wait before any global access
+    return tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
 def _split_range(len_ptr, b, max_len, window_left, num_splits, split, BLOCK_N: tl.constexpr):
     # The key positions [start, stop) of one split: each sequence spreads its own visible range over all splits,
     # in whole BLOCK_N tiles. Lengths (and pages, in page_of) are clamped to the tensors' extents, so bad indices
@@ -99,13 +109,7 @@ def _decode_split(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_ptr, v
                   PAGE_SIZE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr, SOFTCAP: tl.constexpr,
                   INTERP: tl.constexpr, E4M3_CVT: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the merge may be scheduled (it waits for the partials)
-    if WAIT:
-        tl.extra.cuda.gdc_wait()  # launched as a dependent of the kernel before: wait before any global access
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
+    b, h, split = _split_program(PDL, WAIT)
     # The tensor-core dtype: the query's for an unquantized cache, fp16 for an 8-bit one (see dequant_f16).
     CT: tl.constexpr = q_ptr.dtype.element_ty if FMT == 0 else tl.float16
 
@@ -220,13 +224,7 @@ def _decode_split_sad(q_ptr, sq_b, sq_h, kc_ptr, vc_ptr, sk_page, sv_page, ks_pt
     [BLOCK_N, 32] value tile to fp16 as ``dequant_f16`` does (one P conversion per tile, no per-block max).
     ``V_WORDS``: the value codes are read as int32 words (``_codes_from_words``). ``K_ROWS``: the keys are read as
     whole rows ``[BLOCK_N, D]`` and their NB blocks meet the query's in one batched dot (the same products and sums)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the merge may be scheduled (it waits for the partials)
-    if WAIT:
-        tl.extra.cuda.gdc_wait()  # launched as a dependent of the kernel before: wait before any global access
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
+    b, h, split = _split_program(PDL, WAIT)
     NB: tl.constexpr = D // 32
     # The e4m3 bit path yields code * 2^-8 (see _codes); the 2^8 rides on the fp32 scale, exactly.
     SCALE_MUL: tl.constexpr = 256.0 if (FMT == 2 and not E4M3_CVT and not INTERP) else 1.0
