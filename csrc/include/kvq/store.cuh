@@ -84,6 +84,24 @@ struct StoreDivisors {
   FastDivmod blocks;  // 32-element blocks per token (copy_runs_kernel)
 };
 
+// Where a thread's elements of token t, kv head h (from element e of the row) are read and written: the key and
+// value rows and their rows in the cache at (page, off). I is the index type each kernel computes in.
+template <typename T, typename S>
+struct StoreRows {
+  const T* key;
+  const T* value;
+  S* kdst;
+  S* vdst;
+};
+template <typename T, typename S, typename I>
+__device__ __forceinline__ StoreRows<T, S> store_rows(const StoreParams& p, const paged_kv_t<S>& cache, I t, int h,
+                                                      I page, I off, int e) {
+  return {static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + e,
+          static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + e,
+          static_cast<S*>(p.k_cache) + cache.k_offset(page, off, h) + e,
+          static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h) + e};
+}
+
 // T: key/value dtype; S: storage element (T itself for an unquantized cache).
 template <typename T, typename S>
 __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, const __grid_constant__ StoreDivisors dv) {
@@ -123,11 +141,8 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_kernel(StoreParams p, 
   const bool writes_scale = (c % 2) == 0;
   const int64_t so = cache.scale_offset(s, h) + c / 2;
 
-  // Row starts; a quantizing thread takes elements [16c, 16c + 16) of its row.
-  const T* key = static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head;
-  const T* value = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head;
-  S* kdst = static_cast<S*>(p.k_cache) + cache.k_offset(page, off, h);
-  S* vdst = static_cast<S*>(p.v_cache) + cache.v_offset(page, off, h);
+  // A quantizing thread takes elements [16c, 16c + 16) of its row; a copying one its words c and c + chunks.
+  auto [key, value, kdst, vdst] = store_rows<T, S>(p, cache, t, h, page, off, 0);
   if constexpr (StorageTraits<S>::kQuantized) {
     key += c * kChunk, value += c * kChunk, kdst += c * kChunk, vdst += c * kChunk;
     // Both tensors' loads before either store (a load may not be moved above a store that might alias it), so
@@ -178,10 +193,8 @@ __global__ void __launch_bounds__(kStoreThreads) copy_runs_kernel(StoreParams p,
     write[u] = cache.valid_slot(slot);  // -1 and out-of-range slots write nothing
     int page, off;
     dv.page.divmod(static_cast<int>(write[u] ? slot : 0), page, off);
-    key[u] = static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + e;
-    value[u] = static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + e;
-    kdst[u] = static_cast<T*>(p.k_cache) + cache.k_offset(page, off, h) + e;
-    vdst[u] = static_cast<T*>(p.v_cache) + cache.v_offset(page, off, h) + e;
+    const StoreRows<T, T> r = store_rows<T, T>(p, cache, t, h, page, off, e);
+    key[u] = r.key, value[u] = r.value, kdst[u] = r.kdst, vdst[u] = r.vdst;
   }
   // Each tensor's two loads, then its two stores, as store_kv_kernel copies: K first, then V.
   const auto copy = [&](const T* const* src, T* const* dst) {
