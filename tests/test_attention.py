@@ -173,6 +173,22 @@ def test_triton_decode_twelve_per_sm_rule(fmt, dtype):
     check_decode("triton", fmt, dtype, 32, 8, 128, 16, [40000, 33333], device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
+def test_triton_decode_one_tile_stages_rule(fmt, dtype):
+    """One-warp programs of a single tile run two pipeline stages, programs of more tiles three (9/3 heads at
+    head_dim 64, batch 1: 2k tokens in 64 splits of one 32-token tile; 8 sequences of 1k in 22 splits of two);
+    the single-tile launch against the truth."""
+    def config(batch, tokens):
+        return _triton_rule(batch, 9, 3, 64, tokens, fmt, dtype)
+
+    block_n, splits, warps, stages, _ = config(1, 2048)
+    assert (warps, stages) == (1, 2) and splits * block_n >= 2048
+    block_n, splits, warps, stages, _ = config(8, 1024)
+    assert (warps, stages) == (1, 3) and splits * block_n < 1024
+    check_decode("triton", fmt, dtype, 9, 3, 64, 16, [2048], device="cuda")
+
+
 @runs_triton
 @pytest.mark.parametrize("fmt, dtype", [("q8_0", torch.bfloat16), ("fp8_e4m3", torch.float16)])
 def test_triton_decode_head_dim_32(fmt, dtype):

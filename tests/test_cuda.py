@@ -212,15 +212,16 @@ def test_decode_short_contexts_of_unquantized_caches(dtype):
         _assert_close(out, ref, lens)
 
 
-@pytest.mark.parametrize("splits", [2, 4, 5, 16, 17, 65, 256])
+@pytest.mark.parametrize("splits", [2, 4, 5, 16, 17, 64, 65, 256])
 @pytest.mark.parametrize("fmt,hq,hkv,d,batch", [("q8_0", 8, 2, 128, 3), ("same", 8, 2, 256, 40),
                                                 ("fp8_e4m3", 8, 2, 256, 3), ("q8_0", 9, 3, 64, 5)])
 def test_decode_every_merge(fmt, hq, hkv, d, batch, splits):
     """Every merge of the splits, reached by pinning the split count (launch_decode_merge picks by parts and grid):
     a warp per query head (2-4 parts, and 5-16 where the one-pass kernel's grid exceeds a wave, as at batch 40 with
-    8 query heads at head_dim 256 on an H200), the one-pass kernel (5-16 parts on small grids), the two-pass kernel
-    with 16, 32 or 17 early loads (17 parts and up; from 65, by how many CTAs the grid holds), over sequences
-    shorter than the split count (empty splits), one token and none."""
+    8 query heads at head_dim 256 on an H200), the one-pass kernel (5-16 parts on small grids, and 17-64 over 32
+    columns per CTA where those CTAs fit one per SM, as at batch 3 and 5 here), the two-pass kernel with 16, 32 or
+    17 early loads (17 parts and up; from 65, by how many CTAs the grid holds), over sequences shorter than the split
+    count (empty splits), one token and none."""
     from kvq.backends import pinned_cuda_kernel
 
     ops = backend_ops("cuda")  # skips where kvq._C is not the active backend, before the pin needs it

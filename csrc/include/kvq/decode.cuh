@@ -475,16 +475,16 @@ __device__ __forceinline__ void fold(const float (&m)[N], const float (&l)[N], c
   }
 }
 constexpr int kShortMergeParts = kMergeThreads / kMergeCols * 4;
-
-template <typename O>
+// kCols columns per CTA, kU parts per thread: the lists of up to kMergeThreads / kCols * kU parts.
+template <typename O, int kCols = kMergeCols, int kU = 4>
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(DecodeParams p, int parts) {
-  constexpr int kGroups = kMergeThreads / kMergeCols, kU = kShortMergeParts / kGroups;
+  constexpr int kGroups = kMergeThreads / kCols;
   __shared__ float mlo_s[3][kMergeThreads];
   wait_for_primary();  // the partials are the split kernel's
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
   const int hd = p.head_dim;
   const auto [ml, acc] = head_partials(p, parts, b, h);
-  const int g = tid / kMergeCols, c = tid % kMergeCols, d = blockIdx.z * kMergeCols + c;
+  const int g = tid / kCols, c = tid % kCols, d = blockIdx.z * kCols + c;
   float mi[kU], li[kU], ai[kU];
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
@@ -498,11 +498,11 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(Decod
   fold(mi, li, ai, m, l, o);
   mlo_s[0][tid] = m, mlo_s[1][tid] = l, mlo_s[2][tid] = o;
   __syncthreads();
-  if (tid < kMergeCols) {
+  if (tid < kCols) {
     float mg[kGroups], lg[kGroups], og[kGroups];
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
-      const int j = k * kMergeCols + c;
+      const int j = k * kCols + c;
       mg[k] = mlo_s[0][j], lg[k] = mlo_s[1][j], og[k] = mlo_s[2][j];
     }
     fold(mg, lg, og, m, l, o);
@@ -579,7 +579,12 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
     // 8 parts at batch 64 (16/2 d256 q8_0 with 8k tokens, 4096 one-pass CTAs) 161.3 -> 157.2 us, but 5-16 parts on
     // grids of at most 512 such CTAs (batch 1-8) 0.995-1.13x, as a warp then walks its head's parts alone.
     // One pass for 5 to 16 parts otherwise: on an H200 it took 3-9% less time than the two-pass kernel at batch
-    // 1-8 with 1k-2k tokens; over 30-50 parts per thread group 5-8% more.
+    // 1-8 with 1k-2k tokens; over 30-50 parts per thread group 5-8% more. For 17 to 64 parts where its CTAs of 32
+    // columns fit one per SM (batch 1), one pass of eight parts per thread: on an H200, against the two-pass kernel
+    // (two builds alternated as processes, with a second run of the old build as control, which stayed within
+    // 0.2%), 0.937-0.950x the time at 9/3 d64 with 2k-4k tokens (q8_0 at 2k 4.79 -> 4.49 us), 0.974-0.981x with 8k,
+    // 0.965-0.987x at 16/2 d256 with 1k-2k, 0.984-1.001x for bf16 at 32/8 d128 with 8k-128k. (Sixteen parts per
+    // thread over 64 columns took 0.977-1.027x: longer folds per thread, half the CTAs.)
     // Past 16 parts the first 16 accumulators per thread are loaded early (on an H200, batch 1 with 128k
     // tokens at 32/8 d128: bf16 137.6 -> 135.6 us, q8_0 96.3 -> 94.8, fp8 91.7 -> 90.0). Past 64 parts on a grid of
     // at most one CTA per SM (batch 1), the first 32 (on an H200, batch 1 with 128k tokens: 32/8 d128 q8_0 85.3 ->
@@ -599,9 +604,10 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
       });
     }
     if (parts <= detail::kShortMergeParts) return launch(detail::decode_merge_short_kernel<O>, p, parts);
+    const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / 32), dim3(detail::kMergeThreads), stream,
+                                 p.dependent_merge);
+    if (parts <= 64 && narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_short_kernel<O, 32, 8>, p, parts);
     if (parts > 64) {
-      const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / 32), dim3(detail::kMergeThreads), stream,
-                                   p.dependent_merge);
       if (narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_kernel<O, 17, 32>, p, parts);
       if (launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
     }
