@@ -455,7 +455,7 @@ __global__ void __launch_bounds__(kMergeThreads) decode_merge_kernel(DecodeParam
   }
 }
 
-// The same combine in one pass, for lists of at most kGroups * 4 parts: each thread folds its (up to four)
+// The same combine in one pass, for lists of at most kGroups * kU parts: each thread folds its (up to kU)
 // parts after loading them all, and the groups meet once in shared memory: one global round trip and one
 // barrier, where the kernel above takes two and five. A fold takes the largest m first and then every weight at
 // once, as the kernel above does, rather than a running maximum, whose rescaling chains one exponential after
