@@ -104,15 +104,16 @@ for n in (4096, 3001):
     lens = torch.tensor([n], dtype=torch.int32, device=dev)
     torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
 # Every merge, by pinned split counts (decode.cuh's launch_decode_merge): a warp per query head (2-16 parts; the
-# batch of 40 puts the 5-16 part lists there too at head_dim 256 on an H200), one pass, two passes, at every head_dim
-# and both query dtypes; sequences of 0-3000 tokens, so that some splits see none.
+# batch of 40 puts the 5-16 part lists there too at head_dim 256 on an H200), one pass (and for 17-64 parts over 32
+# columns, on the small grids of batch 3 and 5), two passes, at every head_dim and both query dtypes; sequences of
+# 0-3000 tokens, so that some splits see none.
 for d, hq, hkv, batch in ((64, 9, 3, 5), (128, 8, 2, 3), (256, 8, 2, 40)):
     kc, vc, ks, vs = filled_cache(torch.int8, hkv, d)
     table = torch.randint(0, 40, (batch, 188), dtype=torch.int32, device=dev)
     lens = torch.randint(0, 3001, (batch,), dtype=torch.int32, device=dev)
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
-        for splits in ("2", "4", "5", "16", "17", "65", "256"):
+        for splits in ("2", "4", "5", "16", "17", "64", "65", "256"):
             with pinned("set_decode_splits", splits):
                 torch.ops.kvq.decode_attention(q, kc, vc, ks, vs, table, lens, 0.1, -1, 0.0, torch.empty_like(q))
 torch.cuda.synchronize()
