@@ -580,11 +580,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
       for (int nb = 0; nb < BN / 16; ++nb) {
         uint32_t b0, b1, b2, b3;
         ldmatrix_x4(k_addr.at(kk, nb * 16) + kv_off, b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(sc[mt][2 * nb], a[mt], b0, b1);
-          mma16816<T>(sc[mt][2 * nb + 1], a[mt], b2, b3);
-        }
+        mma_m_tiles<T>(sc, nb, a, b0, b1, b2, b3);
       }
     }
 
@@ -691,11 +687,7 @@ __device__ __forceinline__ void extend_body(const ExtendParams& p, const FastDiv
       for (int db = 0; db < D / 16; ++db) {
         uint32_t b0, b1, b2, b3;
         ldmatrix_x4_trans(qv_addr.at(db, kk * 16) + kv_off, b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<T>(o[mt][2 * db], a[mt], b0, b1);
-          mma16816<T>(o[mt][2 * db + 1], a[mt], b2, b3);
-        }
+        mma_m_tiles<T>(o, db, a, b0, b1, b2, b3);
       }
     }
     if (tid < BN) pages[(j & 1) * BN + tid] = next_page;  // tile j + 2's stage; read after the next barrier

@@ -74,6 +74,18 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One 16-wide step of MT m-tiles that share a B fragment: acc[mt][2n] and acc[mt][2n + 1] take a[mt] times the two
+// 8-column halves, (b0, b1) and (b2, b3), of one ldmatrix_x4.
+template <typename T, int MT, int N>
+__device__ __forceinline__ void mma_m_tiles(float (&acc)[MT][N][4], int n, const uint32_t (&a)[MT][4], uint32_t b0,
+                                            uint32_t b1, uint32_t b2, uint32_t b3) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    mma16816<T>(acc[mt][2 * n], a[mt], b0, b1);
+    mma16816<T>(acc[mt][2 * n + 1], a[mt], b2, b3);
+  }
+}
+
 // Transposes an 8 x 8 matrix of fp32 held as mma fragments (thread lane holds row lane / 4, columns
 // 2 (lane % 4) + {0, 1} in x0, x1) in registers: afterwards x0, x1 hold those elements of the transpose. Exact:
 // the two 16-bit halves of every value travel through movmatrix separately.
