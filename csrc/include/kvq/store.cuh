@@ -210,12 +210,22 @@ __global__ void __launch_bounds__(kStoreThreads) copy_runs_kernel(StoreParams p,
   copy(value, vdst);
 }
 
-inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
-  if (p.head_dim % kBlock != 0 || p.head_dim <= 0) return cudaErrorInvalidValue;
-  const int64_t total = p.num_tokens * p.num_kv_heads * (p.head_dim / kChunk);
-  if (total == 0) return cudaSuccess;
+// The grid of store_kv_kernel and dequantize_kernel: a thread per 16-element chunk of every (token, kv head) row, and
+// an error where head_dim is not a multiple of 32 or the grid exceeds 2^31 - 1 blocks.
+struct ChunkGrid {
+  int64_t total, blocks;
+  cudaError_t error;
+};
+inline ChunkGrid chunk_grid(int64_t num_tokens, int num_kv_heads, int head_dim) {
+  if (head_dim % kBlock != 0 || head_dim <= 0) return {0, 0, cudaErrorInvalidValue};
+  const int64_t total = num_tokens * num_kv_heads * (head_dim / kChunk);
   const int64_t blocks = (total + kStoreThreads - 1) / kStoreThreads;
-  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+  return {total, blocks, blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration : cudaSuccess};
+}
+
+inline cudaError_t store_kv(const StoreParams& p, cudaStream_t stream) {
+  const auto [total, blocks, error] = chunk_grid(p.num_tokens, p.num_kv_heads, p.head_dim);
+  if (error != cudaSuccess || total == 0) return error;
   return KVQ_DISPATCH_DTYPE(p.dtype, T, {
     return KVQ_DISPATCH_STORAGE(p.format, p.dtype, S, {
       if constexpr (!StorageTraits<S>::kQuantized && !std::is_same_v<S, T>) {
@@ -293,11 +303,8 @@ __global__ void __launch_bounds__(kStoreThreads) dequantize_kernel(DequantParams
 }
 
 inline cudaError_t dequantize(const DequantParams& p, cudaStream_t stream) {
-  if (p.head_dim % kBlock != 0 || p.head_dim <= 0) return cudaErrorInvalidValue;
-  const int64_t total = p.num_tokens * p.num_kv_heads * (p.head_dim / kChunk);
-  if (total == 0) return cudaSuccess;
-  const int64_t blocks = (total + kStoreThreads - 1) / kStoreThreads;
-  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
+  const auto [total, blocks, error] = chunk_grid(p.num_tokens, p.num_kv_heads, p.head_dim);
+  if (error != cudaSuccess || total == 0) return error;
   return KVQ_DISPATCH_STORAGE(p.format, p.cache_dtype, S, {
     return KVQ_DISPATCH_DTYPE(p.out_dtype, O, {
       dequantize_kernel<S, O><<<static_cast<unsigned>(blocks), kStoreThreads, 0, stream>>>(p);
