@@ -493,9 +493,9 @@ def _config(query, k_cache, max_len, sad=None):
         # A program of one tile has no next tile to prefetch: two stages.
         # On an H200 against three stages (28 cells of 9/3, 32/4 d64 and 32/8, 16/4, 64/8, 8/1 d128, batch 1-16
         # with 512-8k tokens, q8_0 and fp8_e4m3; old and new alternated in one process, outputs equal to the bit):
-        # 0.892-1.011x the time, geometric mean 0.964x, where two copies of the old code differed by up to 7% on
-        # single cells (9/3 heads at batch 1 with 2k tokens, q8_0: 5.37 -> 5.18 us); a first run of three rounds
-        # had 0.979x (0.953-1.037x). Programs of two tiles keep three (2k tokens in 32 splits: 5.79 against 6.16).
+        # 0.892-1.011x the time, geometric mean 0.964x (9/3 heads at batch 1 with 2k tokens, q8_0: 5.37 -> 5.18 us),
+        # while two copies of the old code differed by up to 7% on single cells; a first run of three rounds had
+        # 0.979x (0.953-1.037x). Programs of two tiles keep three (2k tokens in 32 splits: 5.79 against 6.16 us).
         stages = 2
     return block_n, splits, warps, stages, None
 
