@@ -474,9 +474,13 @@ __device__ __forceinline__ void fold(const float (&m)[N], const float (&l)[N], c
     of += o[i] * w;
   }
 }
-constexpr int kShortMergeParts = kMergeThreads / kMergeCols * 4;
+constexpr int kShortMergeU = 4;
+constexpr int kShortMergeParts = kMergeThreads / kMergeCols * kShortMergeU;
+// The narrow grid's shape (launch_decode_merge): 32 columns per CTA, and for this kernel eight parts per thread.
+constexpr int kNarrowCols = 32, kNarrowU = 8;
+constexpr int kNarrowMergeParts = kMergeThreads / kNarrowCols * kNarrowU;
 // kCols columns per CTA, kU parts per thread: the lists of up to kMergeThreads / kCols * kU parts.
-template <typename O, int kCols = kMergeCols, int kU = 4>
+template <typename O, int kCols = kMergeCols, int kU = kShortMergeU>
 __global__ void __launch_bounds__(kMergeThreads) decode_merge_short_kernel(DecodeParams p, int parts) {
   constexpr int kGroups = kMergeThreads / kCols;
   __shared__ float mlo_s[3][kMergeThreads];
@@ -604,11 +608,13 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
       });
     }
     if (parts <= detail::kShortMergeParts) return launch(detail::decode_merge_short_kernel<O>, p, parts);
-    const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / 32), dim3(detail::kMergeThreads), stream,
+    constexpr int kNC = detail::kNarrowCols;
+    const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / kNC), dim3(detail::kMergeThreads), stream,
                                  p.dependent_merge);
-    if (parts <= 64 && narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_short_kernel<O, 32, 8>, p, parts);
-    if (parts > 64) {
-      if (narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_kernel<O, 17, 32>, p, parts);
+    if (parts <= detail::kNarrowMergeParts && narrow.ctas() <= p.num_sms)
+      return narrow(detail::decode_merge_short_kernel<O, kNC, detail::kNarrowU>, p, parts);
+    if (parts > detail::kNarrowMergeParts) {
+      if (narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_kernel<O, 17, kNC>, p, parts);
       if (launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
     }
     return launch(detail::decode_merge_kernel<O, 16>, p, parts);
