@@ -1,0 +1,98 @@
+"""The SM clock and the power drawn while the CUDA decode runs long 8-bit and bf16 shapes back to back.
+
+A decode that reads an 8-bit cache at full bandwidth also converts every element it reads, so it draws more power
+than the bf16 decode of the same shape, which only streams. On an H200 (700 W limit) the long 8-bit decodes reach
+the power cap and the SM clock drops below its 1980 MHz maximum. This times the formats of each shape alternated in
+three rounds, each timing (as the benchmark times a call: out of L2, CUDA graphs, median) after one second of
+back-to-back replays of the same calls, while ``nvidia-smi`` samples the SM clock, the power drawn and the active
+clock-event reasons (0x4: the software power cap) every 50 ms; each row gets the medians of the samples inside
+its timing window. ``python bench/power_clocks.py [--out FILE.json]`` on a CUDA GPU with kvq._C built.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvq  # noqa: E402
+from kvq import benchmark as kb  # noqa: E402
+
+# (q heads, kv heads, head_dim, batch, tokens per sequence)
+SHAPES = [(9, 3, 64, 64, 32768), (9, 3, 64, 8, 131072), (9, 3, 64, 64, 8192), (32, 8, 128, 64, 4096),
+          (32, 8, 128, 1, 131072)]
+FORMATS = ("q8_0", "fp8_e4m3", "bf16")
+QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+def smi_samples(path: Path) -> list:
+    """(unix time, SM MHz, watts, reasons) of each line nvidia-smi wrote."""
+    out = []
+    for line in path.read_text().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            day, frac = parts[0].split(".")
+            ts = time.mktime(time.strptime(day, "%Y/%m/%d %H:%M:%S")) + float("0." + frac)
+            out.append((ts, float(parts[1]), float(parts[2]), parts[4]))
+        except (ValueError, IndexError):  # a header or a field the driver cannot report
+            pass
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="write the rows here as JSON")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("power_clocks: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    kvq.set_index_checks(False)
+    log_path = Path(tempfile.mkdtemp()) / "smi.csv"
+    with open(log_path, "w") as log:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
+                               stdout=log, stderr=subprocess.STDOUT)
+        l2 = kb._l2_bytes()
+        rows = []
+        time.sleep(1.0)
+        for hq, hkv, d, b, ctx in SHAPES:
+            inputs = {}
+            for fmt in FORMATS:
+                n = kb.rotation(kb.decode_bytes("kvq", fmt, b, ctx, hq, hkv, d), l2, 16)
+                inputs[fmt] = kb.decode_inputs(fmt, n, b, ctx, hq, hkv, d, 16)
+            for rnd in range(args.rounds):
+                for fmt in FORMATS:
+                    calls = inputs[fmt].calls(torch.ops.kvq.decode_attention)
+                    kb.time_calls(calls, budget_s=1.0, max_reps=100000)  # to a steady clock
+                    t0 = time.time()
+                    t = kb.time_calls(calls, budget_s=0.3, max_reps=100000)
+                    rows.append(dict(hq=hq, hkv=hkv, d=d, batch=b, ctx=ctx, fmt=fmt, round=rnd, us=t.us, t0=t0,
+                                     t1=time.time()))
+            inputs = None
+            torch.cuda.empty_cache()
+        time.sleep(0.5)
+        smi.terminate()
+        smi.wait()
+    samples = smi_samples(log_path)
+    for r in rows:
+        s = [x for x in samples if r["t0"] <= x[0] <= r["t1"]]
+        r["sm_mhz"] = statistics.median(x[1] for x in s) if s else None
+        r["watts"] = statistics.median(x[2] for x in s) if s else None
+        r["clocks_event_reasons"] = sorted({x[3] for x in s})
+        r["smi_samples"] = len(s)
+        print(f"{r['hq']}/{r['hkv']} d{r['d']} B{r['batch']} {r['ctx'] // 1024}k {r['fmt']:9s} r{r['round']} "
+              f"{r['us']:8.2f} us  SM {r['sm_mhz']} MHz  {r['watts']} W  {r['clocks_event_reasons']}")
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
