@@ -611,12 +611,13 @@ inline cudaError_t launch_decode_merge(const DecodeParams& p, int parts, cudaStr
     constexpr int kNC = detail::kNarrowCols;
     const DependentLaunch narrow(dim3(p.num_q_heads, p.batch, p.head_dim / kNC), dim3(detail::kMergeThreads), stream,
                                  p.dependent_merge);
-    if (parts <= detail::kNarrowMergeParts && narrow.ctas() <= p.num_sms)
-      return narrow(detail::decode_merge_short_kernel<O, kNC, detail::kNarrowU>, p, parts);
-    if (parts > detail::kNarrowMergeParts) {
-      if (narrow.ctas() <= p.num_sms) return narrow(detail::decode_merge_kernel<O, 17, kNC>, p, parts);
-      if (launch.ctas() <= p.num_sms) return launch(detail::decode_merge_kernel<O, 32>, p, parts);
+    if (narrow.ctas() <= p.num_sms) {
+      if (parts <= detail::kNarrowMergeParts)
+        return narrow(detail::decode_merge_short_kernel<O, kNC, detail::kNarrowU>, p, parts);
+      return narrow(detail::decode_merge_kernel<O, 17, kNC>, p, parts);
     }
+    if (parts > detail::kNarrowMergeParts && launch.ctas() <= p.num_sms)
+      return launch(detail::decode_merge_kernel<O, 32>, p, parts);
     return launch(detail::decode_merge_kernel<O, 16>, p, parts);
   });
 }
