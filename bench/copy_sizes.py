@@ -5,6 +5,8 @@ tokens moves 71-285 MB, where fixed costs (the launch, the first loads' latency,
 larger share. This times ``dst.copy_(src)`` moving the same bytes (read + written) as each 8-bit decode shape of
 the benchmark's headline set, and a read-only ``sum`` of them, the way the benchmark times decode (calls on
 disjoint replicas in one CUDA graph, median of replays): ``python bench/copy_sizes.py [--out FILE.json]``.
+``--cells bar`` times instead every decode shape of the full benchmark plan that the 85% bar counts (at least
+``BAR_BW_TOKENS`` tokens in total), so each of its cells can be set beside what a copy of its bytes reaches.
 """
 
 import argparse
@@ -20,6 +22,12 @@ from kvq import benchmark as kb  # noqa: E402
 
 SHAPES = [(hq, hkv, d, b, t) for hq, hkv, d in ((32, 8, 128), (16, 2, 256))
           for b, t in ((1, 4096), (1, 32768), (1, 131072), (64, 4096))]
+
+
+def bar_shapes() -> list:
+    """The full plan's decode shapes of at least ``BAR_BW_TOKENS`` tokens in total (q8_0 and fp8_e4m3 read the
+    same bytes, so one row serves both formats' cells)."""
+    return [s for s in kb.make_plan(quick=False).decode if s[3] * s[4] >= kb.BAR_BW_TOKENS]
 
 
 def time_bytes(nbytes: int, l2: int) -> dict:
@@ -38,6 +46,8 @@ def time_bytes(nbytes: int, l2: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--cells", choices=("headline", "bar"), default="headline",
+                   help="the headline shapes (default) or every shape of the 85%% bar")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("copy_sizes: needs a CUDA GPU", file=sys.stderr)
@@ -46,7 +56,7 @@ def main(argv=None) -> int:
     bw, l2 = ref["bandwidth"], kb._l2_bytes()
     print(f"{torch.cuda.get_device_name()}: 2 GiB copy {bw / 1e9:.0f} GB/s (read + written)")
     rows = []
-    for hq, hkv, d, batch, tokens in SHAPES:
+    for hq, hkv, d, batch, tokens in (bar_shapes() if args.cells == "bar" else SHAPES):
         nbytes = kb.decode_bytes("kvq", "q8_0", batch, tokens, hq, hkv, d)
         t = time_bytes(nbytes, l2)
         floor = kb.floor_us(nbytes, bw)
@@ -59,7 +69,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), copy=ref, rows=rows), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), argv=sys.argv[1:], copy=ref, rows=rows), f, indent=1)
     return 0
 
 

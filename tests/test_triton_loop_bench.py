@@ -25,3 +25,21 @@ def test_compiles_the_split_loop_and_names_its_key_tiles(argv, key_tile):
     loop = dict(item.split() for item in lines[4].strip().split(", "))
     # The loop holds the dots and the pipelined copies of the next tile.
     assert int(loop["HMMA"]) > 0 and int(loop["LDGSTS"]) > 0, r.stdout
+
+
+EXTEND_DOTS = BENCH.parent / "triton_extend_dots.py"
+
+
+@pytest.mark.parametrize("arch, dot, absent", [("90", "HGMMA", "HMMA"), ("89", "HMMA", "HGMMA")])
+def test_extend_dots_are_wgmma_on_sm90_only(arch, dot, absent):
+    # The README's account of the plain prefills rests on this: Triton's extend dots are Hopper's wgmma on sm_90 (which
+    # the CUDA kernels do not use) and mma.sync on sm_89.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(EXTEND_DOTS), "--arch", arch], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = r.stdout.splitlines()[1:]
+    assert len(rows) == 16, r.stdout  # eight configs, bf16 and q8_0 caches
+    for row in rows:
+        counts = dict(item.split() for item in row.split(": ", 1)[1].split(", "))
+        assert int(counts[dot]) > 0 and int(counts[absent]) == 0, row
