@@ -20,23 +20,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from kvq.triton_backend import extend  # noqa: E402
 from kvq.triton_backend._common import FMT_PLAIN, FMT_Q8_0  # noqa: E402
-from triton_loop import cuobjdump  # noqa: E402
+from triton_loop import compile_kernel, cuobjdump  # noqa: E402
 
 # (q heads, kv heads, head_dim, (BLOCK_M, BLOCK_N, num_warps, num_stages)): every config extend._config returns.
 CASES = [(32, 8, 128, (128, 32, 4, 3)), (32, 8, 128, (128, 64, 4, 2)), (32, 8, 128, (64, 64, 4, 3)),
          (32, 8, 128, (64, 64, 4, 2)), (16, 2, 256, (64, 32, 4, 2)), (16, 2, 256, (64, 64, 8, 2)),
          (9, 3, 64, (64, 64, 4, 3)), (9, 3, 64, (64, 64, 4, 2))]
-POINTERS = ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "skc_page", "svc_page", "sbt_b", "so_t", "so_h")
+STRIDES = ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "skc_page", "svc_page", "sbt_b", "so_t", "so_h")
 
 
 def compile_extend(hq, hkv, d, cfg, fmt, arch):
-    fn = extend._extend_kernel
-    names = fn.arg_names
     g = hq // hkv
     cache = "*bf16" if fmt == FMT_PLAIN else "*i8"
     types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", kc_ptr=cache, vc_ptr=cache, ks_ptr="*fp16",
@@ -44,11 +40,8 @@ def compile_extend(hq, hkv, d, cfg, fmt, arch):
                  softcap="fp32")
     consts = dict(PAGE_SIZE=16, HKV=hkv, G=g, GP=extend._heads_per_program(g, cfg[0]), D=d, BLOCK_M=cfg[0],
                   BLOCK_N=cfg[1], FMT=fmt, CAUSAL=True, SOFTCAP=False, INTERP=False, E4M3_CVT=True)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    aligned = [n for n in names if sig[n].startswith("*") or n in POINTERS]  # as Triton specializes at run time
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg[2], num_stages=cfg[3]))
+    return compile_kernel(extend._extend_kernel, types, consts, STRIDES, arch,
+                          dict(num_warps=cfg[2], num_stages=cfg[3]))
 
 
 def main(argv=None):

@@ -33,7 +33,6 @@ from kvq.triton_backend._common import FMT_E4M3, FMT_Q8_0  # noqa: E402
 
 def compile_split(args):
     fn = decode._decode_split_sad
-    names = fn.arg_names
     cache = "*i8" if args.format == "q8_0" else "*u8"  # fp8 caches travel as bytes (as_kernel_arg)
     fmt = FMT_Q8_0 if args.format == "q8_0" else FMT_E4M3
     words, k_rows = decode._sad_loads(fmt, args.head_dim, args.warps, e4m3_cvt=True)  # as on sm_89 and newer
@@ -42,15 +41,23 @@ def compile_split(args):
     consts = dict(PAGE_SIZE=args.page_size, HKV=args.kv_heads, G=args.group, GP=max(16, triton.next_power_of_2(args.group)),
                   D=args.head_dim, BLOCK_N=args.block_n, FMT=fmt, SOFTCAP=False, INTERP=False, E4M3_CVT=True,
                   PDL=True, WAIT=True, V_AFTER=False, V_WORDS=words, K_ROWS=k_rows)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    aligned = [n for n in names if sig[n].startswith("*") or n in ("sq_b", "sq_h", "sk_page", "sv_page", "sbt_b",
-                                                                     "num_pages", "max_len")]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     opts = dict(num_warps=args.warps, num_stages=args.stages)
     if args.maxnreg:
         opts["maxnreg"] = args.maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", args.arch, 32), options=opts)
+    return compile_kernel(fn, types, consts, ("sq_b", "sq_h", "sk_page", "sv_page", "sbt_b", "num_pages", "max_len"),
+                          args.arch, opts)
+
+
+def compile_kernel(fn, types: dict, consts: dict, aligned_ints, arch: int, opts: dict):
+    """``fn`` compiled for sm_``arch``: ``consts`` its constexpr arguments, ``types`` its pointer and float ones
+    (the rest int32), every pointer and the ints named in ``aligned_ints`` taken as multiples of 16, as Triton
+    specializes them at run time."""
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if sig[n].startswith("*") or n in aligned_ints]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def cuobjdump(cubin: bytes, *flags) -> str:
